@@ -1,0 +1,23 @@
+"""deferred_grad: gradient accumulation for TensorFlow 1 style graph training.
+
+`GradientAggregationOptimizer` wraps a `tf.compat.v1.train.Optimizer` and
+applies the mean gradient of `grad_steps` micro-batches once per cycle, so
+that training matches one batch `grad_steps` times larger.
+"""
+
+from __future__ import absolute_import
+from __future__ import division
+from __future__ import print_function
+
+from deferred_grad import compat as _compat
+
+_compat.import_tensorflow()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from deferred_grad.optimizer import applied_updates
+from deferred_grad.optimizer import GradientAggregationOptimizer
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
+__version__ = '0.1.0'
+
+__all__ = ['GradientAggregationOptimizer', 'applied_updates']

@@ -1,0 +1,384 @@
+"""Optimizer wrapper for deferred (accumulated) gradient application."""
+
+from __future__ import absolute_import
+from __future__ import division
+from __future__ import print_function
+
+import numbers
+
+import six
+from six.moves import zip
+
+from deferred_grad import compat
+from deferred_grad import sharding
+
+tf = compat.import_tensorflow()
+
+_ACCUMULATOR_SLOT = 'grad_accum'
+_ACCUMULATOR_OP_NAME = 'GradientAccumulator'
+_COUNTER_NAME = 'update_count'
+
+
+def _check_positive_int(value, arg_name):
+  """Returns `value` as an int, or raises naming `arg_name`."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError('%s must be a positive int, got %r of type %s.' %
+                    (arg_name, value, type(value).__name__))
+  if value < 1:
+    raise ValueError('%s must be a positive int, got %r.' % (arg_name, value))
+  return int(value)
+
+
+def _check_bool(value, arg_name):
+  # A string such as 'False' is truthy: refuse it rather than guess.
+  if not isinstance(value, bool):
+    raise TypeError('%s must be a bool, got %r of type %s.' %
+                    (arg_name, value, type(value).__name__))
+  return value
+
+
+def applied_updates(global_step, grad_steps, name=None):
+  """Returns how many accumulated updates have been applied, as a tensor.
+
+  `GradientAggregationOptimizer` increments `global_step` once per micro-step,
+  so a learning-rate schedule or `AdagradDAOptimizer` that reads
+  `global_step` would advance `grad_steps` times too fast. Give them this
+  tensor instead: read while an update is applied, it equals the `global_step`
+  that large-batch training would have at that update.
+
+  ```python
+  global_step = tf.compat.v1.train.get_or_create_global_step()
+  updates = deferred_grad.applied_updates(global_step, grad_steps=4)
+  learning_rate = tf.compat.v1.train.exponential_decay(
+      0.1, updates, decay_steps=1000, decay_rate=0.5)
+  opt = deferred_grad.GradientAggregationOptimizer(
+      tf.compat.v1.train.MomentumOptimizer(learning_rate, 0.9), grad_steps=4)
+  ```
+
+  Args:
+    global_step: the integer step variable (or tensor) passed to
+      `apply_gradients`, counting micro-steps.
+    grad_steps: the wrapper's `grad_steps`.
+    name: optional name for the returned tensor's scope.
+
+  Returns:
+    An integer tensor: `global_step // grad_steps`.
+
+  Raises:
+    TypeError, ValueError: `grad_steps` is not a positive int.
+  """
+  grad_steps = _check_positive_int(grad_steps, 'grad_steps')
+  with tf.compat.v1.name_scope(name, 'applied_updates', [global_step]):
+    return tf.math.floordiv(global_step, grad_steps)
+
+
+class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
+  """Optimizer wrapper that applies the mean gradient of `grad_steps` calls.
+
+  ```python
+  opt = tf.compat.v1.train.AdamOptimizer(1e-3)
+  opt = deferred_grad.GradientAggregationOptimizer(opt, grad_steps=8)
+  train_op = opt.minimize(loss, global_step=global_step)
+  # Each run of train_op is a micro-step; every 8th also applies the update.
+  ```
+
+  Large hardware configurations are in high demand and difficult to come by.
+  This wrapper simulates one by accumulating the gradients of `grad_steps`
+  micro-batches in a slot per variable and handing their mean to the wrapped
+  optimizer once per cycle, so that training matches one batch `grad_steps`
+  times larger. A few caveats apply:
+
+  * Batch statistics (e.g. batch norm) stay based on the micro-batch.
+  * `global_step` is incremented on every micro-step. Learning-rate schedules
+    therefore see micro-steps; feed them `applied_updates(global_step,
+    grad_steps)` to see updates instead.
+  * With `grad_steps=1` the wrapper passes gradients straight to the wrapped
+    optimizer (and creates no variables of its own).
+
+  Two code paths build the cycle logic:
+
+  * GPU path (`use_tpu=False`): accumulation runs in the replica context; a
+    `merge_call` then decides in an in-graph `tf.cond` on the step counter
+    whether this micro-step ends the cycle. If so each replica calls the
+    wrapped optimizer's `apply_gradients`, which all-reduces, so replicas talk
+    only on apply steps.
+  * TPU path (`use_tpu=True`): a scalar counter variable `update_count`
+    decides in an in-graph `tf.cond`, without `merge_call`.
+  """
+
+  def __init__(self,
+               opt,
+               grad_steps,
+               apply_crs_to_grad=False,
+               xla_num_partitions=None,
+               use_tpu=False):
+    """Constructs the wrapper.
+
+    Args:
+      opt: the `tf.compat.v1.train.Optimizer` that applies the mean gradient.
+      grad_steps: positive int, the number of micro-steps per update.
+      apply_crs_to_grad: bool; if True, each accumulated gradient is summed
+        across TPU replicas with `tf.compat.v1.tpu.cross_replica_sum` before
+        it is applied (TPU only).
+      xla_num_partitions: None, or a positive int: annotate accumulator reads
+        with an XLA sharding over that many partitions (see
+        `deferred_grad.sharding`).
+      use_tpu: bool; True selects the TPU path described above.
+
+    Raises:
+      TypeError: `opt` is not a `tf.compat.v1.train.Optimizer`, or an argument
+        has the wrong type.
+      ValueError: `grad_steps` or `xla_num_partitions` is not positive.
+    """
+    if not isinstance(opt, tf.compat.v1.train.Optimizer):
+      raise TypeError(
+          'opt must be a tf.compat.v1.train.Optimizer (e.g. '
+          'tf.compat.v1.train.AdamOptimizer), got %r of type %s.' %
+          (opt, type(opt).__name__))
+    grad_steps = _check_positive_int(grad_steps, 'grad_steps')
+    apply_crs_to_grad = _check_bool(apply_crs_to_grad, 'apply_crs_to_grad')
+    use_tpu = _check_bool(use_tpu, 'use_tpu')
+    if xla_num_partitions is not None:
+      xla_num_partitions = _check_positive_int(xla_num_partitions,
+                                               'xla_num_partitions')
+    super(GradientAggregationOptimizer, self).__init__(
+        use_locking=False, name='GradientAggregationOptimizer')
+    self._opt = opt
+    self._grad_steps = grad_steps
+    self._counter = None
+    self._use_tpu = use_tpu
+    self._apply_crs_to_grad = apply_crs_to_grad
+    self._xla_num_partitions = xla_num_partitions
+    self.strategy = tf.distribute.get_strategy()
+
+  @property
+  def grad_steps(self):
+    """The number of micro-steps per applied update."""
+    return self._grad_steps
+
+  def _create_slots(self, var_list):
+    """Creates one zeros accumulator per variable, owned by the wrapped opt.
+
+    The slot belongs to the wrapped optimizer, as in the original, so that it
+    is saved as `<variable name>/GradientAccumulator`.
+
+    Args:
+      var_list: the variables that receive gradients.
+    """
+    for v in var_list:
+      self._opt._zeros_slot(v, _ACCUMULATOR_SLOT, _ACCUMULATOR_OP_NAME)  # pylint: disable=protected-access
+
+  def _get_or_create_counter(self):
+    """Returns the `update_count` variable, creating it on first use.
+
+    It counts micro-steps modulo `grad_steps`: an unbounded float32 counter
+    (the original's) stops counting at 2**24 micro-steps. Its name, shape and
+    dtype are the original's so that its checkpoints restore.
+    """
+    if self._counter is None:
+      self._counter = tf.compat.v1.get_variable(
+          _COUNTER_NAME,
+          shape=[],
+          dtype=tf.float32,
+          initializer=tf.compat.v1.zeros_initializer(),
+          trainable=False,
+          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    return self._counter
+
+  def compute_gradients(self, loss, var_list=None, **kwargs):
+    """Delegates to the wrapped optimizer's `compute_gradients`."""
+    return self._opt.compute_gradients(loss, var_list=var_list, **kwargs)
+
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    """Accumulates a micro-step's gradients; applies their mean every cycle.
+
+    Args:
+      grads_and_vars: list of (gradient, variable) pairs, as returned by
+        `compute_gradients`. Pairs whose gradient is None are skipped.
+      global_step: optional integer `Variable`, incremented once per call
+        (micro-step). Without it the wrapper counts micro-steps itself.
+      name: optional name for the returned op; all ops made here live under
+        this name scope (default: the optimizer's name).
+
+    Returns:
+      An op that runs one micro-step.
+
+    Raises:
+      TypeError: `global_step` is not a `Variable`, or `name` not a string.
+      ValueError: `grads_and_vars` is empty, or every gradient is None.
+      RuntimeError: on the GPU path, called in a cross-replica context.
+    """
+    grads_and_vars = tuple(grads_and_vars)
+    if not grads_and_vars:
+      raise ValueError('No variables provided.')
+    if global_step is not None and not isinstance(global_step, tf.Variable):
+      raise TypeError('global_step must be None or a tf.Variable, got %r.' %
+                      (global_step,))
+    if name is not None and not isinstance(name, six.string_types):
+      raise TypeError('name must be None or a string, got %r.' % (name,))
+    if self._grad_steps == 1:
+      return self._apply_directly(grads_and_vars, global_step, name)
+
+    present = [(g, v) for g, v in grads_and_vars if g is not None]
+    if not present:
+      raise ValueError('No gradients provided for any variable: %s.' %
+                       ([v.name for _, v in grads_and_vars],))
+    var_list = [v for _, v in present]
+    if not self._use_tpu and tf.distribute.get_replica_context() is None:
+      raise RuntimeError(
+          'GradientAggregationOptimizer.apply_gradients must be called in a '
+          'replica context (e.g. inside '
+          'strategy.extended.call_for_each_replica), not in a cross-replica '
+          'context.')
+
+    # Where the original's tf.cond would have put the wrapped optimizer's
+    # non-slot variables (Adam's beta1_power, ...): found before this method
+    # opens its own name scope, so that `name` changes op names only.
+    wrapped_vars_scope = self._wrapped_vars_scope()
+    with tf.init_scope():
+      self._create_slots(var_list)
+      if self._use_tpu or global_step is None:
+        self._get_or_create_counter()
+
+    with tf.compat.v1.name_scope(name, self._name) as scope:
+      accumulate = self._accumulate(present)
+      if self._use_tpu:
+        self._create_wrapped_slots(var_list, wrapped_vars_scope)
+        return self._apply_on_tpu(accumulate, var_list, global_step)
+    step = self._counter if global_step is None else global_step
+    # The original's GPU path: merge_call outside tf.cond.
+    return tf.distribute.get_replica_context().merge_call(
+        self._apply_on_cycle_end,
+        args=(accumulate, var_list, step, wrapped_vars_scope, scope))
+
+  def _apply_directly(self, grads_and_vars, global_step, name):
+    """grad_steps=1: there is nothing to accumulate."""
+    if self._apply_crs_to_grad:
+      grads_and_vars = [
+          (None if g is None else tf.compat.v1.tpu.cross_replica_sum(
+              tf.convert_to_tensor(g)), v) for g, v in grads_and_vars
+      ]
+    return self._opt.apply_gradients(
+        grads_and_vars, global_step=global_step, name=name)
+
+  def _wrapped_vars_scope(self):
+    """Returns the absolute name scope of the wrapped optimizer's variables.
+
+    The original called the wrapped `apply_gradients` inside a `tf.cond`, and
+    optimizers name their non-slot variables after the current name scope. A
+    control flow v2 branch starts at the root scope; a v1 branch is under
+    `<current scope>/cond`, uniquified.
+    """
+    if tf.compat.v1.control_flow_v2_enabled():
+      return ''
+    graph = tf.compat.v1.get_default_graph()
+    return graph.unique_name('cond', mark_as_used=False) + '/'
+
+  def _create_wrapped_slots(self, var_list, scope):
+    with tf.init_scope(), tf.compat.v1.name_scope(scope):
+      self._opt._create_slots(var_list)  # pylint: disable=protected-access
+
+  def _accumulate(self, grads_and_vars):
+    """Adds each gradient / grad_steps into its accumulator."""
+    updates = []
+    for g, v in grads_and_vars:
+      accumulator = self.get_slot(v, _ACCUMULATOR_SLOT)
+      if isinstance(g, tf.IndexedSlices):
+        # The original's dense accumulation of sparse gradients.
+        g = tf.convert_to_tensor(g)
+      scaled = g / self._grad_steps
+      if self._xla_num_partitions is None:
+        updates.append(accumulator.assign_add(scaled, read_value=False))
+      else:
+        current = sharding.shard(accumulator.read_value(),
+                                 self._xla_num_partitions)
+        updates.append(accumulator.assign(current + scaled, read_value=False))
+    return tf.group(*updates, name='accumulate')
+
+  def _is_cycle_end(self, step_value):
+    return tf.equal(
+        tf.math.floormod(step_value, self._grad_steps), self._grad_steps - 1)
+
+  def _advance(self, step, step_value):
+    """Counts one micro-step on `step`, whose value was `step_value`.
+
+    `update_count` wraps around at `grad_steps`; a global step counts on.
+    """
+    if step is self._counter:
+      next_value = tf.math.floormod(step_value + 1, self._grad_steps)
+      return step.assign(next_value, read_value=False)
+    return step.assign_add(1, read_value=False)
+
+  def _apply_and_zero_for_each_replica(self, var_list):
+    """Applies the accumulated gradients, then zeroes the accumulators."""
+    accumulators = [self.get_slot(v, _ACCUMULATOR_SLOT) for v in var_list]
+    grads = [a.read_value() for a in accumulators]
+    if self._apply_crs_to_grad:
+      grads = [tf.compat.v1.tpu.cross_replica_sum(g) for g in grads]
+    apply_op = self._opt.apply_gradients(list(zip(grads, var_list)))
+    with tf.control_dependencies([apply_op]):
+      zeros = [
+          a.assign(tf.zeros_like(a), read_value=False) for a in accumulators
+      ]
+    return tf.group(*zeros)
+
+  def _apply_on_cycle_end(self, distribution, accumulate, var_list, step,
+                          wrapped_vars_scope, scope):
+    """GPU path, cross-replica context: apply on the cycle's last step."""
+    # Strings and ops that differ per replica arrive as PerReplica values.
+    wrapped_vars_scope = distribution.experimental_local_results(
+        wrapped_vars_scope)[0]
+    scope = distribution.experimental_local_results(scope)[0]
+    accumulate = distribution.experimental_local_results(accumulate)
+    self._create_wrapped_slots(var_list, wrapped_vars_scope)
+    with tf.compat.v1.name_scope(scope):
+      with tf.control_dependencies(accumulate):
+        step_value = step.read_value()
+      def apply_and_advance():
+        applied = distribution.extended.call_for_each_replica(
+            self._apply_and_zero_for_each_replica, args=(var_list,))
+        with tf.control_dependencies(
+            distribution.experimental_local_results(applied)):
+          return self._advance(step, step_value)
+
+      # Both branches advance the step, so the predicate's read of the step
+      # is ordered before its write.
+      return tf.cond(
+          self._is_cycle_end(step_value), apply_and_advance,
+          lambda: self._advance(step, step_value))
+
+  def _apply_on_tpu(self, accumulate, var_list, global_step):
+    """TPU path: decide on `update_count`, read before it is incremented."""
+    with tf.control_dependencies([accumulate]):
+      count = self._counter.read_value()
+    applied = tf.cond(
+        self._is_cycle_end(count),
+        lambda: self._apply_and_zero_for_each_replica(var_list), tf.no_op)
+    # The original incremented the counter beside the tf.cond that read it,
+    # with no order between the two: a race under resource variables.
+    with tf.control_dependencies([applied]):
+      advances = [self._advance(self._counter, count)]
+      if global_step is not None:
+        advances.append(self._advance(global_step, None))
+    return tf.group(*advances)
+
+  def get_slot(self, *args, **kwargs):
+    """Delegates to the wrapped optimizer, which owns every slot."""
+    return self._opt.get_slot(*args, **kwargs)
+
+  def get_slot_names(self, *args, **kwargs):
+    """Delegates to the wrapped optimizer; includes `grad_accum`."""
+    return self._opt.get_slot_names(*args, **kwargs)
+
+  def variables(self):
+    """The wrapped optimizer's variables, plus `update_count` if created.
+
+    Returns:
+      A list of variables of the current graph, sorted by name.
+    """
+    variables = list(self._opt.variables())
+    counter = self._counter
+    if (counter is not None and
+        getattr(counter, 'graph', None) is tf.compat.v1.get_default_graph()):
+      variables.append(counter)
+    return sorted(variables, key=lambda v: v.name)
