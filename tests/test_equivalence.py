@@ -1,0 +1,112 @@
+"""K micro-batches through the wrapper train exactly like one K-times batch."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import conftest
+from conftest import assert_same_training
+from conftest import make_data
+from conftest import train
+
+GRAD_STEPS = 4
+
+
+@pytest.mark.parametrize('optimizer', sorted(conftest.OPTIMIZERS))
+def test_matches_large_batch(optimizer, use_tpu):
+  make_optimizer = conftest.OPTIMIZERS[optimizer]
+  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, expected_step, _ = train(make_optimizer, data)
+  actual, actual_step, _ = train(
+      make_optimizer, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu)
+  assert_same_training(actual, expected)
+  assert expected_step == conftest.CYCLES
+  assert actual_step == conftest.CYCLES * GRAD_STEPS
+
+
+def test_wrong_step_for_adagrad_da_differs():
+  """Guards the test above: AdagradDA reading micro-steps trains otherwise."""
+  make_optimizer = conftest.OPTIMIZERS['AdagradDA']
+  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, _, _ = train(make_optimizer, data)
+  actual, _, _ = train(
+      make_optimizer, data, grad_steps=GRAD_STEPS, step_tensor='global_step')
+  with pytest.raises(AssertionError):
+    assert_same_training(actual, expected)
+
+
+def test_learning_rate_schedule_fed_by_applied_updates(use_tpu):
+  def make_optimizer(step):
+    learning_rate = tf.compat.v1.train.exponential_decay(
+        0.5, step, decay_steps=1, decay_rate=0.5)
+    return tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
+
+  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, _, _ = train(make_optimizer, data)
+  actual, _, _ = train(
+      make_optimizer, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu)
+  assert_same_training(actual, expected)
+  # The same schedule fed the micro-step count decays K times too fast.
+  too_fast, _, _ = train(
+      make_optimizer,
+      data,
+      grad_steps=GRAD_STEPS,
+      use_tpu=use_tpu,
+      step_tensor='global_step')
+  with pytest.raises(AssertionError):
+    assert_same_training(too_fast, expected)
+
+
+def test_applied_updates_values():
+  graph = tf.Graph()
+  with graph.as_default():
+    step = tf.compat.v1.placeholder(tf.int64, [])
+    updates = conftest.deferred_grad.applied_updates(step, 4)
+    with tf.compat.v1.Session() as session:
+      got = [session.run(updates, {step: s}) for s in range(10)]
+  assert got == [s // 4 for s in range(10)]
+
+
+def test_without_global_step(use_tpu):
+  """The original crashed with global_step=None; it must still cycle."""
+  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, _, _ = train(conftest.OPTIMIZERS['Adam'], data)
+  actual, _, _ = train(
+      conftest.OPTIMIZERS['Adam'],
+      data,
+      grad_steps=GRAD_STEPS,
+      use_tpu=use_tpu,
+      use_global_step=False,
+      step_tensor=None)
+  assert_same_training(actual, expected)
+
+
+def test_none_gradients_are_skipped(use_tpu):
+  """The original failed on a variable the loss does not depend on."""
+  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, _, _ = train(conftest.OPTIMIZERS['Momentum'], data,
+                         with_unused=True)
+  actual, _, graph = train(
+      conftest.OPTIMIZERS['Momentum'],
+      data,
+      grad_steps=GRAD_STEPS,
+      use_tpu=use_tpu,
+      with_unused=True)
+  assert_same_training(actual, expected)
+  np.testing.assert_array_equal(actual[-1]['unused'], np.ones([2]))
+  names = [v.op.name for v in graph.get_collection('variables')]
+  assert 'w1/GradientAccumulator' in names
+  assert 'unused/GradientAccumulator' not in names
+
+
+def test_grad_steps_one_is_the_bare_optimizer(use_tpu):
+  data = make_data(conftest.CYCLES, conftest.MICRO_BATCH)
+  expected, expected_step, expected_graph = train(
+      conftest.OPTIMIZERS['Adam'], data)
+  actual, actual_step, graph = train(
+      conftest.OPTIMIZERS['Adam'], data, grad_steps=1, use_tpu=use_tpu)
+  assert_same_training(actual, expected, rtol=0, atol=0)
+  assert actual_step == expected_step
+  names = sorted(v.op.name for v in graph.get_collection('variables'))
+  assert names == sorted(
+      v.op.name for v in expected_graph.get_collection('variables'))

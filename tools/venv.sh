@@ -1,0 +1,50 @@
+# Sourced by tools/test and tools/demo: one cached virtual environment per
+# TensorFlow version, with deferred_grad installed from this checkout.
+#
+# DEFERRED_GRAD_CACHE  where the environments live (default ~/.cache/deferred_grad)
+# DEFERRED_GRAD_PYTHON the Python to build them with (default: python3, or for
+#                      TensorFlow 2.15, which has wheels for Python <= 3.11
+#                      only, the first of python3.11/3.10/3.9 found).
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache=${DEFERRED_GRAD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/deferred_grad}
+
+_python_minor() { "$1" -c 'import sys; print(sys.version_info[1])' 2>/dev/null; }
+
+# Prints a Python (3.9+) that TensorFlow $1 has wheels for.
+python_for() {
+  local version=$1 max_minor=99 candidate minor
+  case $version in 2.15.*) max_minor=11 ;; esac
+  for candidate in ${DEFERRED_GRAD_PYTHON:-} python3 python3.11 python3.10 python3.9; do
+    command -v "$candidate" >/dev/null 2>&1 || continue
+    minor=$(_python_minor "$candidate") || continue
+    if [ -n "$minor" ] && [ "$minor" -ge 9 ] && [ "$minor" -le "$max_minor" ]; then
+      command -v "$candidate"
+      return 0
+    fi
+  done
+  echo "no Python 3.9-3.$max_minor found for TensorFlow $version; set DEFERRED_GRAD_PYTHON" >&2
+  return 1
+}
+
+# Creates (once) the environment for TensorFlow $1, installs this checkout
+# into it, and prints its path.
+ensure_venv() {
+  local version=$1 python requirements venv
+  python=$(python_for "$version") || return 1
+  requirements="tensorflow-cpu==$version six absl-py pytest setuptools wheel"
+  case $version in 2.15.*) requirements="$requirements tensorflow-estimator==2.15.0" ;; esac
+  venv=$cache/venv-tf$version-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  if [ "$(cat "$venv/.requirements" 2>/dev/null)" != "$requirements" ]; then
+    echo "setting up $venv (once; TensorFlow is a large download)" >&2
+    rm -rf "$venv"
+    "$python" -m venv "$venv" >&2 || return 1
+    "$venv/bin/pip" install --quiet --disable-pip-version-check $requirements >&2 || return 1
+    echo "$requirements" > "$venv/.requirements"
+  fi
+  # Install, not import from the tree: the tests then also check packaging.
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps \
+    --no-build-isolation --force-reinstall "$repo" >&2 || return 1
+  rm -rf "$repo/build" "$repo"/*.egg-info
+  echo "$venv"
+}
