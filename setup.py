@@ -21,6 +21,7 @@ setuptools.setup(
         'tf': ['tensorflow>=2.15'],
         'tf-cpu': ['tensorflow-cpu>=2.15'],
         'test': ['pytest'],
+        'plot': ['matplotlib'],
     },
     license='Apache-2.0',
     classifiers=[
