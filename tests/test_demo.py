@@ -1,25 +1,32 @@
-"""Smoke test of tools/demo.py, the README's main job, on a small run."""
-
-import os
-import subprocess
-import sys
+"""Smoke tests of the scripts under tools/: the demo and the examples."""
 
 import pytest
+import tensorflow as tf
 
 import conftest
+from conftest import run_once_per_version
+from conftest import run_tool
 
-DEMO = os.path.join(os.path.dirname(__file__), os.pardir, 'tools', 'demo.py')
+_needs_estimator = pytest.mark.skipif(
+    not hasattr(tf.compat.v1, 'estimator'),
+    reason='tf.estimator was removed after TensorFlow 2.15 (tested there)')
+_SMALL = ['--grad_steps=2', '--updates=6']
 
 
-@pytest.mark.skipif(
-    conftest.BEHAVIOR != 'v2',
-    reason='the demo sets its own TensorFlow behaviour: run once per version')
+@run_once_per_version
 def test_demo_trains_like_the_large_batch():
-  result = subprocess.run(
-      [sys.executable, DEMO, '--batch_size=64', '--grad_steps=4',
-       '--updates=3'],
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-      timeout=300)
-  assert result.returncode == 0, result.stdout
-  assert 'OK: (b) trained like (a)' in result.stdout
-  assert '| (b) 4 x 16, deferred_grad |' in result.stdout
+  output = run_tool('demo.py', '--batch_size=64', '--grad_steps=4',
+                    '--updates=3')
+  assert 'OK: (b) trained like (a)' in output
+  assert '| (b) 4 x 16, deferred_grad |' in output
+
+
+@run_once_per_version
+@pytest.mark.parametrize('example', [
+    'session_example.py',
+    pytest.param('estimator_example.py', marks=_needs_estimator),
+    pytest.param('tpu_estimator_example.py', marks=_needs_estimator),
+])
+def test_example_trains(example):
+  first, last = conftest.loss_decrease(run_tool('examples/' + example, *_SMALL))
+  assert last < first

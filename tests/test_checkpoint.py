@@ -1,0 +1,150 @@
+"""Checkpoints: the original's names, resuming mid-cycle, restoring its files."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import conftest
+from conftest import make_data
+from conftest import Trainer
+
+_MODEL = ['b1', 'b2', 'w1', 'w2']
+
+
+def _expected_names(use_tpu):
+  # The original built the wrapped apply inside a tf.cond: under control flow
+  # v1 Adam's non-slot variables land in that cond's name scope.
+  non_slot_prefix = '' if tf.compat.v1.control_flow_v2_enabled() else 'cond/'
+  names = set(_MODEL) | {'global_step'}
+  names |= {non_slot_prefix + 'beta1_power', non_slot_prefix + 'beta2_power'}
+  for var in _MODEL:
+    names |= {var + '/Adam', var + '/Adam_1', var + '/GradientAccumulator'}
+  if use_tpu:
+    names.add('update_count')
+  return names
+
+
+@pytest.mark.parametrize('name', [None, 'train'])
+def test_checkpoint_keys_are_the_originals(use_tpu, name, tmp_path):
+  graph = tf.Graph()
+  with graph.as_default():
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    x = tf.compat.v1.placeholder(tf.float32, [None, conftest.INPUT_DIM])
+    y = tf.compat.v1.placeholder(tf.float32, [None, conftest.OUTPUT_DIM])
+    loss, _ = conftest.model_loss(x, y)
+    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.AdamOptimizer(0.01), 2, use_tpu=use_tpu)
+    grads_and_vars = optimizer.compute_gradients(loss)
+    ops_before = set(graph.get_operations())
+    train_op = optimizer.apply_gradients(
+        grads_and_vars, global_step=global_step, name=name)
+    new_ops = [op.name for op in graph.get_operations() if op not in ops_before]
+    saver = tf.compat.v1.train.Saver()
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      path = saver.save(session, os.path.join(str(tmp_path), 'model'))
+  keys = {key for key, _ in tf.train.list_variables(path)}
+  assert keys == _expected_names(use_tpu)
+  # Every op apply_gradients made is in its name scope, but the variables it
+  # created (named after variables, as the original's were).
+  scope = (name or 'GradientAggregationOptimizer') + '/'
+  assert train_op.name.startswith(scope)
+  outside = [
+      op for op in new_ops if not op.startswith(scope) and
+      not any(op == key or op.startswith(key + '/') for key in keys)
+  ]
+  assert not outside
+  trainable = {v.op.name for v in graph.get_collection('trainable_variables')}
+  assert trainable == set(_MODEL)
+
+
+GRAD_STEPS = 3
+TOTAL_STEPS = 4 * GRAD_STEPS
+STOP_STEP = 2 * GRAD_STEPS + 1  # one micro-step into the third cycle
+
+
+def _micro_batches():
+  return make_data(TOTAL_STEPS, conftest.MICRO_BATCH)
+
+
+def _uninterrupted(use_tpu, stop_step=None):
+  """Weights after TOTAL_STEPS micro-steps; also every variable at stop_step."""
+  trainer = Trainer(conftest.OPTIMIZERS['Adam'], GRAD_STEPS, use_tpu=use_tpu)
+  x, y = _micro_batches()
+  state = None
+  with trainer.graph.as_default(), trainer.session() as session:
+    for step in range(TOTAL_STEPS):
+      if step == stop_step:
+        state = {
+            v.op.name: session.run(v)
+            for v in tf.compat.v1.global_variables()
+        }
+      trainer.micro_step(session, x[step], y[step])
+    return session.run(trainer.variables), state
+
+
+def _train_monitored(trainer, checkpoint_dir, last_step):
+  """Trains with MonitoredTrainingSession up to last_step, saving as it goes."""
+  x, y = _micro_batches()
+  with trainer.graph.as_default():
+    hooks = [
+        tf.compat.v1.train.StopAtStepHook(last_step=last_step),
+        tf.compat.v1.train.CheckpointSaverHook(checkpoint_dir, save_steps=2),
+    ]
+    with tf.compat.v1.train.MonitoredTrainingSession(
+        checkpoint_dir=checkpoint_dir,
+        hooks=hooks,
+        save_checkpoint_secs=None,
+        save_checkpoint_steps=None,
+        save_summaries_steps=None,
+        save_summaries_secs=None,
+        log_step_count_steps=None) as session:
+      step = session.run(trainer.global_step)
+      while not session.should_stop():
+        trainer.micro_step(session, x[step], y[step])
+        step += 1
+  return step
+
+
+def test_monitored_session_resumes_mid_cycle(use_tpu, tmp_path):
+  expected, _ = _uninterrupted(use_tpu)
+  checkpoint_dir = str(tmp_path)
+  first = Trainer(conftest.OPTIMIZERS['Adam'], GRAD_STEPS, use_tpu=use_tpu)
+  assert _train_monitored(first, checkpoint_dir, STOP_STEP) == STOP_STEP
+  saved = tf.train.load_variable(checkpoint_dir, 'w1/GradientAccumulator')
+  assert np.any(saved != 0)  # the checkpoint holds a partial cycle
+  second = Trainer(conftest.OPTIMIZERS['Adam'], GRAD_STEPS, use_tpu=use_tpu)
+  assert _train_monitored(second, checkpoint_dir, TOTAL_STEPS) == TOTAL_STEPS
+  resumed = {
+      name: tf.train.load_variable(checkpoint_dir, name) for name in expected
+  }
+  conftest.assert_same_training([resumed], [expected], rtol=0, atol=0)
+
+
+def test_restores_a_checkpoint_written_under_the_original_names(
+    use_tpu, tmp_path):
+  """A separate graph writes plain variables under the original's names."""
+  expected, state = _uninterrupted(use_tpu, stop_step=STOP_STEP)
+  assert set(state) == _expected_names(use_tpu)
+  if use_tpu:
+    # The original counted micro-steps without wrapping at grad_steps.
+    assert state['update_count'] == STOP_STEP % GRAD_STEPS
+    state['update_count'] = np.float32(STOP_STEP)
+  path = os.path.join(str(tmp_path), 'original')
+  with tf.Graph().as_default():
+    written = {name: tf.Variable(value, name=name)
+               for name, value in state.items()}
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      tf.compat.v1.train.Saver(written).save(session, path)
+
+  trainer = Trainer(conftest.OPTIMIZERS['Adam'], GRAD_STEPS, use_tpu=use_tpu)
+  x, y = _micro_batches()
+  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
+    tf.compat.v1.train.Saver().restore(session, path)
+    for step in range(STOP_STEP, TOTAL_STEPS):
+      trainer.micro_step(session, x[step], y[step])
+    resumed = session.run(trainer.variables)
+  conftest.assert_same_training([resumed], [expected], rtol=0, atol=0)

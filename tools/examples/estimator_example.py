@@ -1,0 +1,69 @@
+r"""A tf.compat.v1.estimator.Estimator model_fn with deferred_grad.
+
+Only two lines of a model_fn change: wrap the optimizer, and feed schedules
+`applied_updates`. The input_fn yields micro-batches; `max_steps` counts
+micro-steps (global_step), so max_steps = updates * grad_steps. Re-running
+with the same --model_dir resumes, half-accumulated gradients included.
+Needs TensorFlow 2.15 (the last release with tf.estimator).
+
+  python tools/examples/estimator_example.py --grad_steps=4 --updates=20
+"""
+
+import os
+import tempfile
+
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+import deferred_grad
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
+flags.DEFINE_integer('micro_batch', 32, 'Examples per micro-batch.')
+flags.DEFINE_integer('updates', 20, 'Number of updates.')
+flags.DEFINE_string('model_dir', None, 'Checkpoint directory (default: new).')
+
+TRUE_W = np.random.RandomState(0).randn(8, 1).astype(np.float32)
+
+
+def input_fn():
+  x = np.random.RandomState(1).randn(100000, 8).astype(np.float32)
+  dataset = tf.data.Dataset.from_tensor_slices((x, x.dot(TRUE_W)))
+  return dataset.repeat().batch(FLAGS.micro_batch)
+
+
+def model_fn(features, labels, mode, params):
+  w = tf.compat.v1.get_variable('w', [8, 1], initializer=tf.zeros_initializer())
+  loss = tf.reduce_mean(tf.square(tf.matmul(features, w) - labels))
+  global_step = tf.compat.v1.train.get_global_step()
+  updates = deferred_grad.applied_updates(global_step, params['grad_steps'])
+  learning_rate = tf.compat.v1.train.exponential_decay(0.1, updates, 10, 0.5)
+  optimizer = deferred_grad.GradientAggregationOptimizer(     # <- wrap
+      tf.compat.v1.train.MomentumOptimizer(learning_rate, 0.5),
+      grad_steps=params['grad_steps'])
+  train_op = optimizer.minimize(loss, global_step=global_step)
+  return tf.compat.v1.estimator.EstimatorSpec(mode, loss=loss,
+                                              train_op=train_op)
+
+
+def main(argv):
+  del argv
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.WARN)
+  estimator = tf.compat.v1.estimator.Estimator(
+      model_fn,
+      model_dir=FLAGS.model_dir or tempfile.mkdtemp(),
+      params={'grad_steps': FLAGS.grad_steps})
+  losses = []
+  for _ in range(2):  # train in two calls, as a job that stops and resumes
+    estimator.train(input_fn, steps=FLAGS.updates * FLAGS.grad_steps // 2)
+    losses.append(estimator.evaluate(input_fn, steps=1)['loss'])
+    print('global_step %d  loss %.5f' %
+          (estimator.get_variable_value('global_step'), losses[-1]))
+  print('loss went from %.5f to %.5f' % (losses[0], losses[-1]))
+
+
+if __name__ == '__main__':
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  app.run(main)

@@ -1,0 +1,72 @@
+r"""A TPUEstimator model_fn with deferred_grad's TPU path (use_tpu=True).
+
+On a TPU, pass --use_tpu with a TPU cluster in the RunConfig and
+apply_crs_to_grad=True if the optimizer is not a CrossShardOptimizer. Here
+TPUEstimator(use_tpu=False) runs the same model_fn on the CPU. Needs
+TensorFlow 2.15 (the last release with TPUEstimator).
+
+  python tools/examples/tpu_estimator_example.py --grad_steps=4 --updates=20
+"""
+
+import os
+import tempfile
+
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+import deferred_grad
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
+flags.DEFINE_integer('micro_batch', 32, 'Examples per micro-batch.')
+flags.DEFINE_integer('updates', 20, 'Number of updates.')
+
+TRUE_W = np.random.RandomState(0).randn(8, 1).astype(np.float32)
+
+
+def input_fn(params):
+  x = np.random.RandomState(1).randn(100000, 8).astype(np.float32)
+  dataset = tf.data.Dataset.from_tensor_slices((x, x.dot(TRUE_W)))
+  return dataset.repeat().batch(params['batch_size'], drop_remainder=True)
+
+
+def model_fn(features, labels, mode, params):
+  w = tf.compat.v1.get_variable('w', [8, 1], initializer=tf.zeros_initializer())
+  loss = tf.reduce_mean(tf.square(tf.matmul(features, w) - labels))
+  optimizer = deferred_grad.GradientAggregationOptimizer(
+      tf.compat.v1.train.AdamOptimizer(0.1),
+      grad_steps=params['grad_steps'],
+      use_tpu=True)
+  train_op = optimizer.minimize(
+      loss, global_step=tf.compat.v1.train.get_global_step())
+  return tf.compat.v1.estimator.tpu.TPUEstimatorSpec(mode, loss=loss,
+                                                     train_op=train_op)
+
+
+def main(argv):
+  del argv
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.WARN)
+  tpu = tf.compat.v1.estimator.tpu
+  estimator = tpu.TPUEstimator(
+      model_fn,
+      config=tpu.RunConfig(
+          model_dir=tempfile.mkdtemp(),
+          tpu_config=tpu.TPUConfig(iterations_per_loop=FLAGS.grad_steps)),
+      train_batch_size=FLAGS.micro_batch,
+      eval_batch_size=FLAGS.micro_batch,
+      use_tpu=False,
+      params={'grad_steps': FLAGS.grad_steps})
+  losses = []
+  for _ in range(2):
+    estimator.train(input_fn, steps=FLAGS.updates * FLAGS.grad_steps // 2)
+    losses.append(estimator.evaluate(input_fn, steps=1)['loss'])
+    print('global_step %d  loss %.5f' %
+          (estimator.get_variable_value('global_step'), losses[-1]))
+  print('loss went from %.5f to %.5f' % (losses[0], losses[-1]))
+
+
+if __name__ == '__main__':
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  app.run(main)
