@@ -1,7 +1,9 @@
 r"""A TPUEstimator model_fn with deferred_grad's TPU path (use_tpu=True).
 
-On a TPU, pass --use_tpu with a TPU cluster in the RunConfig and
-apply_crs_to_grad=True if the optimizer is not a CrossShardOptimizer. Here
+On a TPU, run with use_tpu=True and a TPU cluster in the RunConfig, and
+combine the cores' gradients either with a CrossShardOptimizer as the wrapped
+optimizer or with apply_crs_to_grad=True (a sum: divide the loss by the
+number of cores), not both. Here
 TPUEstimator(use_tpu=False) runs the same model_fn on the CPU. Needs
 TensorFlow 2.15 (the last release with TPUEstimator).
 
