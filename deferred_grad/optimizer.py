@@ -111,7 +111,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                grad_steps,
                apply_crs_to_grad=False,
                xla_num_partitions=None,
-               use_tpu=False):
+               use_tpu=False,
+               sparse_as_dense=False):
     """Constructs the wrapper.
 
     Args:
@@ -124,6 +125,14 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         with an XLA sharding over that many partitions (see
         `deferred_grad.sharding`).
       use_tpu: bool; True selects the TPU path described above.
+      sparse_as_dense: bool. False (the default) accumulates sparse gradients
+        (`tf.IndexedSlices`, e.g. of an embedding lookup) by scatter-adding
+        the rows they touch and hands the wrapped optimizer an
+        `IndexedSlices` over the rows with a non-zero accumulated gradient,
+        so that it applies its own sparse update. True is the original's
+        behaviour: sparse gradients are densified into the accumulator on
+        every micro-step and applied as dense gradients (to continue an old
+        run exactly as the original would have).
 
     Raises:
       TypeError: `opt` is not a `tf.compat.v1.train.Optimizer`, or an argument
@@ -138,6 +147,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     grad_steps = _check_positive_int(grad_steps, 'grad_steps')
     apply_crs_to_grad = _check_bool(apply_crs_to_grad, 'apply_crs_to_grad')
     use_tpu = _check_bool(use_tpu, 'use_tpu')
+    sparse_as_dense = _check_bool(sparse_as_dense, 'sparse_as_dense')
     if xla_num_partitions is not None:
       xla_num_partitions = _check_positive_int(xla_num_partitions,
                                                'xla_num_partitions')
@@ -149,6 +159,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     self._use_tpu = use_tpu
     self._apply_crs_to_grad = apply_crs_to_grad
     self._xla_num_partitions = xla_num_partitions
+    self._sparse_as_dense = sparse_as_dense
     self.strategy = tf.distribute.get_strategy()
 
   @property
@@ -224,6 +235,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       raise ValueError('No gradients provided for any variable: %s.' %
                        ([v.name for _, v in grads_and_vars],))
     var_list = [v for _, v in present]
+    # Which accumulators take (and hand on) sparse gradients: fixed when the
+    # graph is built, from the gradients' types.
+    sparse = [self._is_sparse(g) for g, _ in present]
     if not self._use_tpu and tf.distribute.get_replica_context() is None:
       raise RuntimeError(
           'GradientAggregationOptimizer.apply_gradients must be called in a '
@@ -244,12 +258,12 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       accumulate = self._accumulate(present)
       if self._use_tpu:
         self._create_wrapped_slots(var_list, wrapped_vars_scope)
-        return self._apply_on_tpu(accumulate, var_list, global_step)
+        return self._apply_on_tpu(accumulate, var_list, sparse, global_step)
     step = self._counter if global_step is None else global_step
     # The original's GPU path: merge_call outside tf.cond.
     return tf.distribute.get_replica_context().merge_call(
         self._apply_on_cycle_end,
-        args=(accumulate, var_list, step, wrapped_vars_scope, scope))
+        args=(accumulate, var_list, sparse, step, wrapped_vars_scope, scope))
 
   def _apply_directly(self, grads_and_vars, global_step, name):
     """grad_steps=1: there is nothing to accumulate."""
@@ -278,13 +292,24 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     with tf.init_scope(), tf.compat.v1.name_scope(scope):
       self._opt._create_slots(var_list)  # pylint: disable=protected-access
 
+  def _is_sparse(self, gradient):
+    # A cross-replica sum needs the same shape on every core: dense.
+    return (isinstance(gradient, tf.IndexedSlices) and
+            not self._sparse_as_dense and not self._apply_crs_to_grad)
+
   def _accumulate(self, grads_and_vars):
     """Adds each gradient / grad_steps into its accumulator."""
     updates = []
     for g, v in grads_and_vars:
       accumulator = self.get_slot(v, _ACCUMULATOR_SLOT)
+      if self._is_sparse(g):
+        # Only the rows looked up: the cost does not grow with the table.
+        # Duplicate indices add up, as in the dense gradient.
+        updates.append(
+            accumulator.scatter_add(
+                tf.IndexedSlices(g.values / self._grad_steps, g.indices)))
+        continue
       if isinstance(g, tf.IndexedSlices):
-        # The original's dense accumulation of sparse gradients.
         g = tf.convert_to_tensor(g)
       scaled = g / self._grad_steps
       if self._xla_num_partitions is None:
@@ -309,21 +334,45 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       return step.assign(next_value, read_value=False)
     return step.assign_add(1, read_value=False)
 
-  def _apply_and_zero_for_each_replica(self, var_list):
+  def _sparse_accumulated(self, accumulator):
+    """The accumulated gradient as IndexedSlices over its non-zero rows.
+
+    The rows touched in a cycle are not stored anywhere (the original's
+    checkpoints have no place for them): they are the rows whose accumulated
+    gradient is not zero. A touched row whose sum is exactly zero in every
+    entry is therefore left out.
+    """
+    value = sharding.shard(accumulator.read_value(), self._xla_num_partitions)
+    nonzero = tf.not_equal(value, 0)
+    if value.shape.rank > 1:
+      nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
+    rows = tf.reshape(tf.where(nonzero), [-1])
+    return tf.IndexedSlices(
+        tf.gather(value, rows), rows, dense_shape=tf.shape(value, tf.int64))
+
+  def _apply_and_zero_for_each_replica(self, var_list, sparse):
     """Applies the accumulated gradients, then zeroes the accumulators."""
     accumulators = [self.get_slot(v, _ACCUMULATOR_SLOT) for v in var_list]
-    grads = [a.read_value() for a in accumulators]
+    grads = [
+        self._sparse_accumulated(a) if is_sparse else a.read_value()
+        for a, is_sparse in zip(accumulators, sparse)
+    ]
     if self._apply_crs_to_grad:
       grads = [tf.compat.v1.tpu.cross_replica_sum(g) for g in grads]
     apply_op = self._opt.apply_gradients(list(zip(grads, var_list)))
     with tf.control_dependencies([apply_op]):
-      zeros = [
-          a.assign(tf.zeros_like(a), read_value=False) for a in accumulators
-      ]
+      zeros = []
+      for accumulator, grad in zip(accumulators, grads):
+        if isinstance(grad, tf.IndexedSlices):
+          zeros.append(accumulator.scatter_update(
+              tf.IndexedSlices(tf.zeros_like(grad.values), grad.indices)))
+        else:
+          zeros.append(accumulator.assign(tf.zeros_like(accumulator),
+                                          read_value=False))
     return tf.group(*zeros)
 
-  def _apply_on_cycle_end(self, distribution, accumulate, var_list, step,
-                          wrapped_vars_scope, scope):
+  def _apply_on_cycle_end(self, distribution, accumulate, var_list, sparse,
+                          step, wrapped_vars_scope, scope):
     """GPU path, cross-replica context: apply on the cycle's last step."""
     # Strings and ops that differ per replica arrive as PerReplica values.
     wrapped_vars_scope = distribution.experimental_local_results(
@@ -336,7 +385,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         step_value = step.read_value()
       def apply_and_advance():
         applied = distribution.extended.call_for_each_replica(
-            self._apply_and_zero_for_each_replica, args=(var_list,))
+            self._apply_and_zero_for_each_replica, args=(var_list, sparse))
         with tf.control_dependencies(
             distribution.experimental_local_results(applied)):
           return self._advance(step, step_value)
@@ -347,13 +396,14 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
           self._is_cycle_end(step_value), apply_and_advance,
           lambda: self._advance(step, step_value))
 
-  def _apply_on_tpu(self, accumulate, var_list, global_step):
+  def _apply_on_tpu(self, accumulate, var_list, sparse, global_step):
     """TPU path: decide on `update_count`, read before it is incremented."""
     with tf.control_dependencies([accumulate]):
       count = self._counter.read_value()
     applied = tf.cond(
         self._is_cycle_end(count),
-        lambda: self._apply_and_zero_for_each_replica(var_list), tf.no_op)
+        lambda: self._apply_and_zero_for_each_replica(var_list, sparse),
+        tf.no_op)
     # The original incremented the counter beside the tf.cond that read it,
     # with no order between the two: a race under resource variables.
     with tf.control_dependencies([applied]):

@@ -127,6 +127,68 @@ def model_loss(x, y, with_unused=False):
   return tf.reduce_mean(tf.square(prediction - y)), variables
 
 
+TABLE_ROWS, EMBEDDING_DIM, IDS_PER_EXAMPLE = 24, 4, 3
+_TABLE = np.random.RandomState(7).uniform(
+    -0.5, 0.5, size=[TABLE_ROWS, EMBEDDING_DIM]).astype(np.float32)
+_PROJECTION = np.random.RandomState(8).uniform(
+    -0.5, 0.5, size=[EMBEDDING_DIM, OUTPUT_DIM]).astype(np.float32)
+
+
+def make_embedding_data(cycles, batch, seed=0):
+  """Ids and targets per cycle; each cycle looks up a shifted window of rows.
+
+  Ids repeat within a micro-batch, and every cycle leaves some rows of the
+  previous one alone and touches some new ones.
+  """
+  rng = np.random.RandomState(seed)
+  window = TABLE_ROWS // 2
+  ids = np.stack([
+      rng.randint(0, window, size=(batch, IDS_PER_EXAMPLE)) +
+      (cycle * window // 2) % (TABLE_ROWS - window) for cycle in range(cycles)
+  ]).astype(np.int32)
+  y = rng.randn(cycles, batch, OUTPUT_DIM).astype(np.float32)
+  return ids, y
+
+
+def _table_initializer(shape, dtype=tf.float32, partition_info=None):
+  """The fixed table, or the rows of it that one partition holds."""
+  del dtype
+  offset = partition_info.single_offset(shape) if partition_info else 0
+  return tf.constant(_TABLE[offset:offset + shape[0]])
+
+
+def embedding_loss(ids, y, partitions=None):
+  """Mean of looked-up rows, projected; returns (loss, variables).
+
+  The table's gradient is a `tf.IndexedSlices`, the projection's is dense.
+
+  Args:
+    ids: int32 [batch, IDS_PER_EXAMPLE]; y: float32 [batch, OUTPUT_DIM].
+    partitions: split the table into this many variables.
+  """
+  table = tf.compat.v1.get_variable(
+      'table', [TABLE_ROWS, EMBEDDING_DIM],
+      initializer=_table_initializer,
+      partitioner=(tf.compat.v1.fixed_size_partitioner(partitions)
+                   if partitions else None))
+  projection = tf.compat.v1.get_variable('projection', initializer=_PROJECTION)
+  looked_up = tf.nn.embedding_lookup(table, ids)
+  prediction = tf.matmul(tf.reduce_mean(looked_up, axis=1), projection)
+  tables = list(table) if partitions else [table]
+  variables = {v.name.rsplit(':', 1)[0]: v for v in tables + [projection]}
+  return tf.reduce_mean(tf.square(prediction - y)), variables
+
+
+# name -> (make_data, input dtypes and shapes, loss function)
+MODELS = {
+    'mlp': (make_data, [(tf.float32, [None, INPUT_DIM]),
+                        (tf.float32, [None, OUTPUT_DIM])], model_loss),
+    'embedding': (make_embedding_data,
+                  [(tf.int32, [None, IDS_PER_EXAMPLE]),
+                   (tf.float32, [None, OUTPUT_DIM])], embedding_loss),
+}
+
+
 class Trainer(object):
   """Builds the model and its training op in a graph of its own.
 
@@ -137,7 +199,9 @@ class Trainer(object):
     step_tensor: what `make_optimizer` receives: 'auto' is the global step for
       the bare optimizer and `applied_updates` for the wrapper; 'global_step'
       is the global step in both cases; None is None.
-    with_unused: add a variable without gradient.
+    model: a key of MODELS.
+    model_kwargs: passed to the model's loss function (e.g. with_unused for
+      the MLP, partitions for the embedding model).
     **wrapper_kwargs: passed to `GradientAggregationOptimizer`.
   """
 
@@ -146,15 +210,19 @@ class Trainer(object):
                grad_steps=None,
                use_global_step=True,
                step_tensor='auto',
-               with_unused=False,
+               model='mlp',
+               model_kwargs=None,
                **wrapper_kwargs):
     self.micro_steps = 1 if grad_steps is None else grad_steps
     self.graph = tf.Graph()
     with self.graph.as_default():
       self.global_step = tf.compat.v1.train.get_or_create_global_step()
-      self.x = tf.compat.v1.placeholder(tf.float32, [None, INPUT_DIM])
-      self.y = tf.compat.v1.placeholder(tf.float32, [None, OUTPUT_DIM])
-      loss, self.variables = model_loss(self.x, self.y, with_unused)
+      _, input_specs, loss_fn = MODELS[model]
+      self.inputs = [
+          tf.compat.v1.placeholder(dtype, shape)
+          for dtype, shape in input_specs
+      ]
+      loss, self.variables = loss_fn(*self.inputs, **(model_kwargs or {}))
       if step_tensor == 'auto' and grad_steps is not None:
         step_tensor = deferred_grad.applied_updates(self.global_step,
                                                     grad_steps)
@@ -173,23 +241,76 @@ class Trainer(object):
     session.run(self.init_op)
     return session
 
-  def micro_step(self, session, x, y):
-    session.run(self.train_op, {self.x: x, self.y: y})
+  def micro_step(self, session, *batch):
+    session.run(self.train_op, dict(zip(self.inputs, batch)))
 
-  def run_cycle(self, session, x, y):
+  def run_cycle(self, session, *batch):
     """Runs one cycle on a large batch split into `micro_steps` parts."""
-    micro_batch = len(x) // self.micro_steps
+    micro_batch = len(batch[0]) // self.micro_steps
     for k in range(self.micro_steps):
       rows = slice(k * micro_batch, (k + 1) * micro_batch)
-      self.micro_step(session, x[rows], y[rows])
+      self.micro_step(session, *[part[rows] for part in batch])
 
   def run(self, session, data):
     """Trains on every cycle of `data`; returns the weights after each."""
     snapshots = []
-    for x, y in zip(*data):
-      self.run_cycle(session, x, y)
+    for batch in zip(*data):
+      self.run_cycle(session, *batch)
       snapshots.append(session.run(self.variables))
     return snapshots
+
+
+REPLICAS = 2
+
+
+class MirroredTrainer(Trainer):
+  """The wrapper under MirroredStrategy over two logical CPU devices.
+
+  Each micro-batch is split between the replicas; each replica's loss is its
+  mean divided by the replica count, so that the optimizer's all-reduce (a
+  sum) gives the mean over the whole micro-batch.
+  """
+
+  def __init__(self, make_optimizer, grad_steps, use_global_step=True,
+               model='mlp', model_kwargs=None, **wrapper_kwargs):
+    # pylint: disable=super-init-not-called
+    self.micro_steps = grad_steps
+    self.graph = tf.Graph()
+    with self.graph.as_default():
+      self.strategy = tf.distribute.MirroredStrategy(
+          ['/cpu:%d' % i for i in range(REPLICAS)])
+      _, input_specs, loss_fn = MODELS[model]
+      with self.strategy.scope():
+        self.global_step = tf.compat.v1.train.get_or_create_global_step()
+        # [replica, rows, ...]: replica r reads its own slice.
+        self.inputs = [
+            tf.compat.v1.placeholder(dtype, [REPLICAS] + shape)
+            for dtype, shape in input_specs
+        ]
+        self.optimizer = deferred_grad.GradientAggregationOptimizer(
+            make_optimizer(None), grad_steps, **wrapper_kwargs)
+        self.variables = {}
+
+        def replica_step():
+          replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+          loss, variables = loss_fn(
+              *[tf.gather(part, replica) for part in self.inputs],
+              **(model_kwargs or {}))
+          self.variables.update(variables)
+          return self.optimizer.minimize(
+              loss / REPLICAS,
+              global_step=self.global_step if use_global_step else None)
+
+        self.train_op = self.strategy.group(
+            self.strategy.extended.call_for_each_replica(replica_step))
+      self.init_op = tf.compat.v1.global_variables_initializer()
+
+  def split(self, batch):
+    return batch.reshape((REPLICAS, -1) + batch.shape[1:])
+
+  def micro_step(self, session, *batch):
+    super(MirroredTrainer, self).micro_step(
+        session, *[self.split(part) for part in batch])
 
 
 def train(make_optimizer, data, grad_steps=None, **kwargs):

@@ -85,13 +85,13 @@ def test_none_gradients_are_skipped(use_tpu):
   """The original failed on a variable the loss does not depend on."""
   data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
   expected, _, _ = train(conftest.OPTIMIZERS['Momentum'], data,
-                         with_unused=True)
+                         model_kwargs={'with_unused': True})
   actual, _, graph = train(
       conftest.OPTIMIZERS['Momentum'],
       data,
       grad_steps=GRAD_STEPS,
       use_tpu=use_tpu,
-      with_unused=True)
+      model_kwargs={'with_unused': True})
   assert_same_training(actual, expected)
   np.testing.assert_array_equal(actual[-1]['unused'], np.ones([2]))
   names = [v.op.name for v in graph.get_collection('variables')]

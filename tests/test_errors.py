@@ -50,7 +50,8 @@ def test_xla_num_partitions(value, error):
     GradientAggregationOptimizer(_sgd(), 2, xla_num_partitions=value)
 
 
-@pytest.mark.parametrize('argument', ['apply_crs_to_grad', 'use_tpu'])
+@pytest.mark.parametrize('argument',
+                         ['apply_crs_to_grad', 'use_tpu', 'sparse_as_dense'])
 def test_flags_must_be_bool(argument):
   with pytest.raises(TypeError, match=argument + " must be a bool, got 'False'"):
     GradientAggregationOptimizer(_sgd(), 2, **{argument: 'False'})

@@ -1,0 +1,191 @@
+"""Embedding tables: sparse accumulation and each optimizer's sparse update.
+
+The embedding model's micro-batches repeat ids, and its cycles touch
+shifting sets of rows, so that an optimizer that (wrongly) received a dense
+gradient would move, or decay the slots of, rows the large batch leaves
+alone.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import conftest
+from conftest import assert_same_training
+from conftest import make_embedding_data
+from conftest import MirroredTrainer
+from conftest import train
+from conftest import Trainer
+from deferred_grad import sharding
+
+GRAD_STEPS = 3
+CYCLES = 4
+
+# Every tf.compat.v1.train optimizer with a sparse update.
+SPARSE_OPTIMIZERS = sorted(conftest.OPTIMIZERS)
+
+
+def _data(replicas=1):
+  return make_embedding_data(CYCLES,
+                             replicas * GRAD_STEPS * conftest.MICRO_BATCH)
+
+
+def _spy_on_handoff(trainer_kwargs):
+  """Wraps make_optimizer so that the gradient types it receives are kept."""
+  received = []
+  make_optimizer = trainer_kwargs['make_optimizer']
+
+  def make_spied(step):
+    optimizer = make_optimizer(step)
+    apply_gradients = optimizer.apply_gradients
+
+    def spy(grads_and_vars, *args, **kwargs):
+      grads_and_vars = list(grads_and_vars)
+      received.append({
+          v.op.name: 'sparse' if isinstance(g, tf.IndexedSlices) else 'dense'
+          for g, v in grads_and_vars
+      })
+      return apply_gradients(grads_and_vars, *args, **kwargs)
+
+    optimizer.apply_gradients = spy
+    return optimizer
+
+  trainer_kwargs['make_optimizer'] = make_spied
+  return received
+
+
+@pytest.mark.parametrize('optimizer', SPARSE_OPTIMIZERS)
+def test_matches_large_batch(optimizer, use_tpu):
+  make_optimizer = conftest.OPTIMIZERS[optimizer]
+  data = _data()
+  expected, _, _ = train(make_optimizer, data, model='embedding')
+  kwargs = dict(make_optimizer=make_optimizer)
+  received = _spy_on_handoff(kwargs)
+  actual, _, _ = train(
+      kwargs['make_optimizer'], data, grad_steps=GRAD_STEPS, use_tpu=use_tpu,
+      model='embedding')
+  assert received == [{'table': 'sparse', 'projection': 'dense'}]
+  assert_same_training(actual, expected)
+
+
+def test_untouched_rows_do_not_move():
+  """Momentum leaves rows without gradient alone; so must the wrapper."""
+  x, y = make_embedding_data(1, GRAD_STEPS * conftest.MICRO_BATCH)
+  trainer = Trainer(conftest.OPTIMIZERS['Momentum'], GRAD_STEPS,
+                    model='embedding')
+  with trainer.session() as session:
+    trainer.run_cycle(session, x[0], y[0])
+    # A second cycle on other rows: the first cycle's rows keep momentum in
+    # a dense update, and would move again.
+    session.run(trainer.variables['table'])
+    before = session.run(trainer.variables['table'])
+    other_ids = np.full_like(x[0], conftest.TABLE_ROWS - 1)
+    trainer.run_cycle(session, other_ids, y[0])
+    after = session.run(trainer.variables['table'])
+  moved = np.any(after != before, axis=1)
+  assert list(np.flatnonzero(moved)) == [conftest.TABLE_ROWS - 1]
+
+
+def test_micro_step_scatters_into_the_accumulator(use_tpu):
+  trainer = Trainer(conftest.OPTIMIZERS['Adagrad'], GRAD_STEPS,
+                    use_tpu=use_tpu, model='embedding')
+  scatter_types = ('ResourceScatterAdd', 'ScatterAdd')
+  dense_add_types = ('AssignAddVariableOp', 'AssignAdd')
+
+  def writes_to(op, variable_name):
+    source = op.inputs[0].op
+    return source.name == variable_name
+
+  operations = trainer.graph.get_operations()
+  accumulator = 'table/GradientAccumulator'
+  assert [op.type for op in operations
+          if op.type in scatter_types and writes_to(op, accumulator)]
+  assert not [op for op in operations
+              if op.type in dense_add_types and writes_to(op, accumulator)]
+  assert [op for op in operations if op.type in dense_add_types and
+          writes_to(op, 'projection/GradientAccumulator')]
+
+
+def test_sparse_as_dense_is_the_original_dense_handoff(use_tpu):
+  """sparse_as_dense=True trains like the large batch with a dense gradient."""
+  make_optimizer = conftest.OPTIMIZERS['Momentum']
+
+  def densified(step):
+    optimizer = make_optimizer(step)
+    apply_gradients = optimizer.apply_gradients
+
+    def apply_dense(grads_and_vars, *args, **kwargs):
+      grads_and_vars = [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
+      return apply_gradients(grads_and_vars, *args, **kwargs)
+
+    optimizer.apply_gradients = apply_dense
+    return optimizer
+
+  data = _data()
+  dense_large_batch, _, _ = train(densified, data, model='embedding')
+  sparse_large_batch, _, _ = train(make_optimizer, data, model='embedding')
+  kwargs = dict(make_optimizer=make_optimizer)
+  received = _spy_on_handoff(kwargs)
+  actual, _, _ = train(
+      kwargs['make_optimizer'], data, grad_steps=GRAD_STEPS, use_tpu=use_tpu,
+      model='embedding', sparse_as_dense=True)
+  assert received == [{'table': 'dense', 'projection': 'dense'}]
+  assert_same_training(actual, dense_large_batch)
+  with pytest.raises(AssertionError):
+    assert_same_training(actual, sparse_large_batch)
+
+
+@pytest.mark.parametrize('optimizer', ['Momentum', 'Adagrad', 'Ftrl'])
+def test_partitioned_table(optimizer, use_tpu):
+  make_optimizer = conftest.OPTIMIZERS[optimizer]
+  data = _data()
+  model_kwargs = {'partitions': 3}
+  expected, _, _ = train(make_optimizer, data, model='embedding',
+                         model_kwargs=model_kwargs)
+  actual, _, graph = train(
+      make_optimizer, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu,
+      model='embedding', model_kwargs=model_kwargs)
+  assert sorted(actual[0]) == [
+      'projection', 'table/part_0', 'table/part_1', 'table/part_2']
+  names = {v.op.name for v in graph.get_collection('variables')}
+  assert {'table/part_%d/GradientAccumulator' % i for i in range(3)} <= names
+  assert_same_training(actual, expected)
+
+
+@pytest.mark.parametrize('use_global_step', [True, False])
+@pytest.mark.parametrize('optimizer', ['Momentum', 'RMSPropCentered'])
+def test_mirrored_strategy(optimizer, use_global_step):
+  make_optimizer = conftest.OPTIMIZERS[optimizer]
+  data = _data(conftest.REPLICAS)
+  expected, _, _ = train(make_optimizer, data, model='embedding')
+  trainer = MirroredTrainer(make_optimizer, GRAD_STEPS, use_global_step,
+                            model='embedding')
+  with tf.compat.v1.Session(graph=trainer.graph) as session:
+    session.run(trainer.init_op)
+    actual = trainer.run(session, data)
+  assert_same_training(actual, expected)
+
+
+def test_sharded_table_accumulator(use_tpu):
+  partitions = 2
+  make_optimizer = conftest.OPTIMIZERS['Momentum']
+  data = _data()
+  expected, _, _ = train(make_optimizer, data, model='embedding')
+  actual, _, graph = train(
+      make_optimizer, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu,
+      model='embedding', xla_num_partitions=partitions)
+  assert_same_training(actual, expected)
+  # The table accumulator is read once per cycle, on the apply step: that
+  # read keeps the rank-2 sharding (rows >= columns: dimension 0).
+  graph_def = graph.as_graph_def()
+  nodes = list(graph_def.node)
+  for function in graph_def.library.function:
+    nodes.extend(function.node_def)
+  tiles = []
+  for node in nodes:
+    if node.op == 'XlaSharding':
+      proto = sharding.xla_sharding.xla_data_pb2.OpSharding()
+      proto.ParseFromString(node.attr['sharding'].s)
+      tiles.append(list(proto.tile_assignment_dimensions))
+  # projection [4, 3] (micro-step read) and table [24, 4] (apply read).
+  assert sorted(tiles) == [[partitions, 1], [partitions, 1]]
