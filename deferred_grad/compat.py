@@ -57,3 +57,44 @@ def import_xla_sharding():
   except ImportError:
     from tensorflow.compiler.xla.experimental.xla_sharding import xla_sharding  # pylint: disable=g-import-not-at-top
   return xla_sharding
+
+
+def local_variable(variable):
+  """The variable a replica updates: its own component of a mirrored one.
+
+  In a replica context, updates of a `MirroredVariable` whose aggregation is
+  NONE (optimizer slots) go to the replica's own component; the raw kernels
+  used here need that component itself.
+  """
+  get_local = getattr(variable, '_get_on_device_or_primary', None)
+  return get_local() if get_local is not None else variable
+
+
+def is_ref_variable(variable):
+  """True for a reference (TF1, `disable_v2_behavior()`) variable."""
+  return variable.dtype != variable.dtype.base_dtype
+
+
+def run_cond_as_function(graph, ops_before):
+  """Keeps the control flow v2 `If` ops made since `ops_before` unlowered.
+
+  In a session, TensorFlow lowers `If` to Switch/Merge, which pushes "dead"
+  tensors through every op of the branch not taken, on every run. The
+  wrapper's apply branch holds a few ops per variable, and it is not taken
+  on grad_steps - 1 of grad_steps micro-steps: run as a function, `If`
+  executes only the branch taken (measured in tools/benchmark.py). XLA and
+  control flow v1 ignore this.
+
+  An unlowered `If` is placed with all the resources it reads, so this is
+  done only where they are on one device: not under MirroredStrategy, nor
+  with variables spread over parameter servers.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
+  for op in graph.get_operations()[len(ops_before):]:
+    if op.type not in ('If', 'StatelessIf'):
+      continue
+    devices = {x.op.device for x in op.inputs if x.dtype == tf.resource}
+    if len(devices) <= 1:
+      op._set_attr('_lower_using_switch_merge',  # pylint: disable=protected-access
+                   attr_value_pb2.AttrValue(b=False))

@@ -202,6 +202,7 @@ class Trainer(object):
     model: a key of MODELS.
     model_kwargs: passed to the model's loss function (e.g. with_unused for
       the MLP, partitions for the embedding model).
+    device: device (or device function) to build the graph under.
     **wrapper_kwargs: passed to `GradientAggregationOptimizer`.
   """
 
@@ -212,10 +213,11 @@ class Trainer(object):
                step_tensor='auto',
                model='mlp',
                model_kwargs=None,
+               device=None,
                **wrapper_kwargs):
     self.micro_steps = 1 if grad_steps is None else grad_steps
     self.graph = tf.Graph()
-    with self.graph.as_default():
+    with self.graph.as_default(), self.graph.device(device):
       self.global_step = tf.compat.v1.train.get_or_create_global_step()
       _, input_specs, loss_fn = MODELS[model]
       self.inputs = [

@@ -63,3 +63,42 @@ def test_each_replica_keeps_its_own_accumulator():
         rtol=conftest.RTOL,
         atol=conftest.ATOL)
   assert not np.allclose(values[0], values[1])
+
+
+def _if_lowering(graph):
+  """The `_lower_using_switch_merge` attribute of each `If` op, or None."""
+  values = []
+  for op in graph.get_operations():
+    if op.type == 'If':
+      try:
+        values.append(op.get_attr('_lower_using_switch_merge'))
+      except ValueError:
+        values.append(None)
+  return values
+
+
+def test_variables_on_two_devices_match_large_batch(use_tpu):
+  """As with parameter servers: variables on several devices."""
+
+  def two_devices(op):
+    if op.type in ('VarHandleOp', 'VariableV2'):
+      return '/cpu:1' if op.name.startswith(('w2', 'b2')) else '/cpu:0'
+    return ''
+
+  make_optimizer = conftest.OPTIMIZERS['Momentum']
+  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, _, _ = train(make_optimizer, data)
+  actual, _, graph = train(make_optimizer, data, grad_steps=GRAD_STEPS,
+                           use_tpu=use_tpu, device=two_devices)
+  assert_same_training(actual, expected)
+  if tf.compat.v1.control_flow_v2_enabled():
+    # Lowered: an unlowered If would have to sit with both devices' resources.
+    assert _if_lowering(graph) == [True]
+
+
+def test_cond_runs_as_a_function_on_one_device(use_tpu):
+  graph = conftest.Trainer(conftest.sgd, GRAD_STEPS, use_tpu=use_tpu).graph
+  if tf.compat.v1.control_flow_v2_enabled():
+    assert _if_lowering(graph) == [False]
+  else:
+    assert not _if_lowering(graph)  # control flow v1: Switch/Merge

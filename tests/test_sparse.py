@@ -90,7 +90,7 @@ def test_micro_step_scatters_into_the_accumulator(use_tpu):
   trainer = Trainer(conftest.OPTIMIZERS['Adagrad'], GRAD_STEPS,
                     use_tpu=use_tpu, model='embedding')
   scatter_types = ('ResourceScatterAdd', 'ScatterAdd')
-  dense_add_types = ('AssignAddVariableOp', 'AssignAdd')
+  dense_add_types = ('ResourceApplyGradientDescent', 'ApplyGradientDescent')
 
   def writes_to(op, variable_name):
     source = op.inputs[0].op

@@ -21,7 +21,6 @@ in float32 the runs agree to about 4e-5 after 8 updates, in float64
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 
 from absl import app
 from absl import flags
+
+import peak_memory  # tools/peak_memory.py, beside this script
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('grad_steps', 8, 'Micro-batches per update in run (b).')
@@ -129,8 +130,7 @@ def run_role(role):
         'losses': losses,
         'global_step': step,
         'train_seconds': seconds,
-        # ru_maxrss is in KiB on Linux.
-        'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        'peak_rss_mb': peak_memory.peak_rss_mb(),
     }, f)
 
 

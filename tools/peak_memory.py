@@ -1,0 +1,21 @@
+"""Peak resident memory of this process, for the demo and the benchmarks."""
+
+import resource
+
+
+def peak_rss_mb():
+  """This process's peak resident set size, in MiB.
+
+  Reads VmHWM from /proc/self/status (Linux). `getrusage`'s ru_maxrss is not
+  used there: across fork and exec it keeps the parent's peak, so a child of
+  a large parent would report the parent's memory.
+  """
+  try:
+    with open('/proc/self/status') as status:
+      for line in status:
+        if line.startswith('VmHWM:'):
+          return int(line.split()[1]) / 1024  # kB
+  except OSError:
+    pass
+  # Elsewhere (macOS reports bytes, Linux kB): only right for a fresh process.
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
