@@ -17,6 +17,23 @@ tf = compat.import_tensorflow()
 _ACCUMULATOR_SLOT = 'grad_accum'
 _ACCUMULATOR_OP_NAME = 'GradientAccumulator'
 _COUNTER_NAME = 'update_count'
+NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
+
+
+def _cast(gradient, dtype):
+  if isinstance(gradient, tf.IndexedSlices):
+    return tf.IndexedSlices(tf.cast(gradient.values, dtype), gradient.indices,
+                            gradient.dense_shape)
+  return tf.cast(gradient, dtype)
+
+
+def _scale(gradient, scale):
+  """gradient * scale, for a Tensor or IndexedSlices; scale: a scalar."""
+  if isinstance(gradient, tf.IndexedSlices):
+    return tf.IndexedSlices(
+        gradient.values * tf.cast(scale, gradient.values.dtype),
+        gradient.indices, gradient.dense_shape)
+  return gradient * tf.cast(scale, gradient.dtype)
 
 
 def _check_positive_int(value, arg_name):
@@ -35,6 +52,16 @@ def _check_bool(value, arg_name):
     raise TypeError('%s must be a bool, got %r of type %s.' %
                     (arg_name, value, type(value).__name__))
   return value
+
+
+def _check_graph_mode(method):
+  if tf.compat.v1.executing_eagerly_outside_functions():
+    raise RuntimeError(
+        'GradientAggregationOptimizer.%s needs TensorFlow 1 style graph mode: '
+        'call tf.compat.v1.disable_eager_execution() (or '
+        'disable_v2_behavior()) at program start. Eager execution and '
+        'tf.function are not supported; Keras 3 optimizers offer '
+        'gradient_accumulation_steps there.' % method)
 
 
 def applied_updates(global_step, grad_steps, name=None):
@@ -112,7 +139,10 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                apply_crs_to_grad=False,
                xla_num_partitions=None,
                use_tpu=False,
-               sparse_as_dense=False):
+               sparse_as_dense=False,
+               nonfinite_policy=None,
+               accumulator_dtype=None,
+               clip_norm=None):
     """Constructs the wrapper.
 
     Args:
@@ -133,6 +163,22 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         behaviour: sparse gradients are densified into the accumulator on
         every micro-step and applied as dense gradients (to continue an old
         run exactly as the original would have).
+      nonfinite_policy: what a micro-batch with a NaN or inf gradient does.
+        None (the original's behaviour): it is accumulated like any other and
+        poisons the cycle's update. 'skip_micro_batch': it contributes
+        nothing, and the cycle applies the mean of the finite micro-batches
+        (their sum divided by their count; nothing if there is none).
+        'skip_cycle': the cycle it belongs to applies nothing. Skipped
+        micro-batches and cycles are counted in the variables
+        `skipped_micro_batches` and `skipped_cycles`.
+      accumulator_dtype: None (the variable's dtype, the original's), or a
+        wider float dtype such as tf.float32 to sum half-precision gradients
+        in; the mean is cast back to the variable's dtype when applied.
+      clip_norm: None, or a positive float: clip the accumulated mean
+        gradient to this global norm (`tf.clip_by_global_norm`) just before
+        the wrapped optimizer applies it, as large-batch training would clip
+        the large batch's gradient. Under a multi-replica strategy the norm
+        is the global one, across replicas.
 
     Raises:
       TypeError: `opt` is not a `tf.compat.v1.train.Optimizer`, or an argument
@@ -148,6 +194,22 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     apply_crs_to_grad = _check_bool(apply_crs_to_grad, 'apply_crs_to_grad')
     use_tpu = _check_bool(use_tpu, 'use_tpu')
     sparse_as_dense = _check_bool(sparse_as_dense, 'sparse_as_dense')
+    if nonfinite_policy not in NONFINITE_POLICIES:
+      raise ValueError('nonfinite_policy must be one of %s, got %r.' %
+                       (NONFINITE_POLICIES, nonfinite_policy))
+    if accumulator_dtype is not None:
+      accumulator_dtype = tf.as_dtype(accumulator_dtype)
+      if not accumulator_dtype.is_floating:
+        raise ValueError('accumulator_dtype must be None or a float dtype, '
+                         'got %r.' % (accumulator_dtype,))
+    if clip_norm is not None:
+      if (isinstance(clip_norm, bool) or
+          not isinstance(clip_norm, numbers.Real)):
+        raise TypeError('clip_norm must be None or a positive number, got %r '
+                        'of type %s.' % (clip_norm, type(clip_norm).__name__))
+      if not clip_norm > 0:
+        raise ValueError('clip_norm must be None or a positive number, got '
+                         '%r.' % (clip_norm,))
     if xla_num_partitions is not None:
       xla_num_partitions = _check_positive_int(xla_num_partitions,
                                                'xla_num_partitions')
@@ -160,6 +222,12 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     self._apply_crs_to_grad = apply_crs_to_grad
     self._xla_num_partitions = xla_num_partitions
     self._sparse_as_dense = sparse_as_dense
+    self._nonfinite_policy = nonfinite_policy
+    self._accumulator_dtype = accumulator_dtype
+    self._clip_norm = clip_norm
+    self._good_micro_batches = None
+    self.skipped_micro_batches = None
+    self.skipped_cycles = None
     self.strategy = tf.distribute.get_strategy()
 
   @property
@@ -177,7 +245,21 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       var_list: the variables that receive gradients.
     """
     for v in var_list:
-      self._opt._zeros_slot(v, _ACCUMULATOR_SLOT, _ACCUMULATOR_OP_NAME)  # pylint: disable=protected-access
+      dtype = self._accumulator_dtype
+      if dtype is None or dtype == v.dtype.base_dtype:
+        self._opt._zeros_slot(v, _ACCUMULATOR_SLOT, _ACCUMULATOR_OP_NAME)  # pylint: disable=protected-access
+      else:
+        self._opt._get_or_make_slot_with_initializer(  # pylint: disable=protected-access
+            v, tf.compat.v1.zeros_initializer(), v.shape, dtype,
+            _ACCUMULATOR_SLOT, _ACCUMULATOR_OP_NAME)
+    if self._nonfinite_policy and self._good_micro_batches is None:
+      counter = lambda name: tf.compat.v1.get_variable(  # pylint: disable=g-long-lambda
+          name, shape=[], dtype=tf.int64,
+          initializer=tf.compat.v1.zeros_initializer(), trainable=False)
+      # Finite micro-batches in the current cycle; totals of skipped ones.
+      self._good_micro_batches = counter('good_micro_batches')
+      self.skipped_micro_batches = counter('skipped_micro_batches')
+      self.skipped_cycles = counter('skipped_cycles')
 
   def _get_or_create_counter(self):
     """Returns the `update_count` variable, creating it on first use.
@@ -198,6 +280,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   def compute_gradients(self, loss, var_list=None, **kwargs):
     """Delegates to the wrapped optimizer's `compute_gradients`."""
+    _check_graph_mode('compute_gradients')
     return self._opt.compute_gradients(loss, var_list=var_list, **kwargs)
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
@@ -219,6 +302,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       ValueError: `grads_and_vars` is empty, or every gradient is None.
       RuntimeError: on the GPU path, called in a cross-replica context.
     """
+    _check_graph_mode('apply_gradients')
     grads_and_vars = tuple(grads_and_vars)
     if not grads_and_vars:
       raise ValueError('No variables provided.')
@@ -238,12 +322,31 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     # Which accumulators take (and hand on) sparse gradients: fixed when the
     # graph is built, from the gradients' types.
     sparse = [self._is_sparse(g) for g, _ in present]
-    if not self._use_tpu and tf.distribute.get_replica_context() is None:
+    replica_context = tf.distribute.get_replica_context()
+    if not self._use_tpu and replica_context is None:
       raise RuntimeError(
           'GradientAggregationOptimizer.apply_gradients must be called in a '
           'replica context (e.g. inside '
           'strategy.extended.call_for_each_replica), not in a cross-replica '
           'context.')
+    if (self._clip_norm is not None and replica_context and
+        replica_context.num_replicas_in_sync > 1 and
+        not tf.compat.v1.control_flow_v2_enabled()):
+      # The cross-replica norm needs an all-reduce inside tf.cond, which
+      # fails with mirrored ref variables and control flow v1.
+      raise ValueError(
+          'clip_norm with several replicas needs control flow v2 and '
+          'resource variables (tf.compat.v1.disable_eager_execution(), not '
+          'disable_v2_behavior()).')
+    if self._nonfinite_policy and (
+        self._apply_crs_to_grad or
+        (replica_context and replica_context.num_replicas_in_sync > 1)):
+      # Each replica would skip its own micro-batches, and replicas would
+      # disagree on what a cycle's mean is.
+      raise ValueError(
+          'nonfinite_policy=%r needs a single replica; this apply_gradients '
+          'runs on several (a multi-replica strategy or apply_crs_to_grad).'
+          % (self._nonfinite_policy,))
 
     # Where the original's tf.cond would have put the wrapped optimizer's
     # non-slot variables (Adam's beta1_power, ...): found before this method
@@ -298,19 +401,45 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
             not self._sparse_as_dense and not self._apply_crs_to_grad)
 
   def _accumulate(self, grads_and_vars):
-    """Adds each gradient / grad_steps into its accumulator."""
+    """Adds each gradient / grad_steps into its accumulator.
+
+    Returns:
+      An op that accumulates and, with a `nonfinite_policy`, first checks
+      the micro-batch; it then counts it, and only a finite one is added.
+    """
+    if not self._nonfinite_policy:
+      return self._add_to_accumulators(grads_and_vars)
+    finite = tf.reduce_all([
+        tf.reduce_all(tf.math.is_finite(
+            g.values if isinstance(g, tf.IndexedSlices) else g))
+        for g, _ in grads_and_vars
+    ])
+    added = self._cond(finite,
+                       lambda: self._add_to_accumulators(grads_and_vars),
+                       tf.no_op)
+    with tf.control_dependencies([added]):
+      return tf.group(
+          self._good_micro_batches.assign_add(
+              tf.cast(finite, tf.int64), read_value=False),
+          self.skipped_micro_batches.assign_add(
+              1 - tf.cast(finite, tf.int64), read_value=False))
+
+  def _add_to_accumulators(self, grads_and_vars):
     updates = []
     for g, v in grads_and_vars:
       accumulator = self.get_slot(v, _ACCUMULATOR_SLOT)
+      dtype = accumulator.dtype.base_dtype
       if self._is_sparse(g):
         # Only the rows looked up: the cost does not grow with the table.
         # Duplicate indices add up, as in the dense gradient.
         updates.append(
             accumulator.scatter_add(
-                tf.IndexedSlices(g.values / self._grad_steps, g.indices)))
+                tf.IndexedSlices(
+                    tf.cast(g.values, dtype) / self._grad_steps, g.indices)))
         continue
       if isinstance(g, tf.IndexedSlices):
         g = tf.convert_to_tensor(g)
+      g = tf.cast(g, dtype)
       if self._xla_num_partitions is None:
         updates.append(self._add_scaled(accumulator, g))
       else:
@@ -376,9 +505,17 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     ]
     if self._apply_crs_to_grad:
       grads = [tf.compat.v1.tpu.cross_replica_sum(g) for g in grads]
-    apply_op = self._opt.apply_gradients(list(zip(grads, var_list)))
+    if self._clip_norm is not None:
+      grads = self._clip(grads)
+    grads = [_cast(g, v.dtype.base_dtype) for g, v in zip(grads, var_list)]
+    if self._nonfinite_policy:
+      apply_op = self._apply_finite(grads, var_list)
+    else:
+      apply_op = self._opt.apply_gradients(list(zip(grads, var_list)))
     with tf.control_dependencies([apply_op]):
       zeros = []
+      if self._nonfinite_policy:
+        zeros.append(self._good_micro_batches.assign(0, read_value=False))
       for accumulator, grad in zip(accumulators, grads):
         if isinstance(grad, tf.IndexedSlices):
           zeros.append(accumulator.scatter_update(
@@ -389,6 +526,41 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
               tf.zeros(accumulator.shape, accumulator.dtype.base_dtype),
               read_value=False))
     return tf.group(*zeros)
+
+  def _clip(self, grads):
+    """Clips the accumulated gradients to `clip_norm`, by their global norm.
+
+    Under a multi-replica strategy each replica holds its part of the sum;
+    the norm is that of the whole sum, so the parts are all-reduced first,
+    and each replica hands on 1/replicas of the clipped sum for the wrapped
+    optimizer's own all-reduce to add up.
+    """
+    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+    if replicas > 1:
+      # identity: reads of ref variables (v1 behaviour) are ref tensors, which
+      # all_reduce would take for the variables themselves.
+      grads = [tf.identity(tf.convert_to_tensor(g)) for g in grads]
+      grads = tf.distribute.get_replica_context().all_reduce(
+          tf.distribute.ReduceOp.SUM, grads)
+    clipped, _ = tf.clip_by_global_norm(grads, self._clip_norm)
+    if replicas > 1:
+      clipped = [g / replicas for g in clipped]
+    return clipped
+
+  def _apply_finite(self, grads, var_list):
+    """Applies the mean of the cycle's finite micro-batches, per the policy."""
+    good = self._good_micro_batches.read_value()
+    if self._nonfinite_policy == 'skip_micro_batch':
+      apply_now = good > 0
+      # The accumulators hold sum / grad_steps over the good micro-batches.
+      scale = self._grad_steps / tf.maximum(good, 1)
+      grads = [_scale(g, scale) for g in grads]
+    else:
+      apply_now = tf.equal(good, self._grad_steps)
+    return self._cond(
+        apply_now,
+        lambda: self._opt.apply_gradients(list(zip(grads, var_list))),
+        lambda: self.skipped_cycles.assign_add(1, read_value=False))
 
   def _apply_on_cycle_end(self, distribution, accumulate, var_list, sparse,
                           step, wrapped_vars_scope, scope):
@@ -448,14 +620,15 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     return self._opt.get_slot_names(*args, **kwargs)
 
   def variables(self):
-    """The wrapped optimizer's variables, plus `update_count` if created.
+    """The wrapped optimizer's variables, plus the wrapper's own counters.
 
     Returns:
       A list of variables of the current graph, sorted by name.
     """
     variables = list(self._opt.variables())
-    counter = self._counter
-    if (counter is not None and
-        getattr(counter, 'graph', None) is tf.compat.v1.get_default_graph()):
-      variables.append(counter)
+    for own in (self._counter, self._good_micro_batches,
+                self.skipped_micro_batches, self.skipped_cycles):
+      if (own is not None and
+          getattr(own, 'graph', None) is tf.compat.v1.get_default_graph()):
+        variables.append(own)
     return sorted(variables, key=lambda v: v.name)

@@ -179,6 +179,36 @@ def embedding_loss(ids, y, partitions=None):
   return tf.reduce_mean(tf.square(prediction - y)), variables
 
 
+LINEAR_DIM = 3
+LINEAR_INITIAL = np.array([[0.5], [-0.25], [1.0]], np.float32)
+
+
+def make_linear_data(cycles, batch, seed=0):
+  """Inputs, targets and a per-example 'poison' (0: clean) for each cycle."""
+  rng = np.random.RandomState(seed)
+  x = rng.randn(cycles, batch, LINEAR_DIM).astype(np.float32)
+  y = rng.randn(cycles, batch, 1).astype(np.float32)
+  return x, y, np.zeros([cycles, batch], np.float32)
+
+
+def linear_loss(x, y, poison):
+  """mean((x w - y)^2) + mean(poison) * sum(w); returns (loss, variables).
+
+  Its gradient, 2/n x^T (x w - y) + mean(poison), is easy in numpy; a NaN or
+  inf poison makes it non-finite.
+  """
+  w = tf.compat.v1.get_variable('w', initializer=LINEAR_INITIAL)
+  loss = (tf.reduce_mean(tf.square(tf.matmul(x, w) - y)) +
+          tf.reduce_mean(poison) * tf.reduce_sum(w))
+  return loss, {'w': w}
+
+
+def linear_gradient(w, x, y, poison):
+  """The gradient of linear_loss, in float64 numpy."""
+  x, y = x.astype(np.float64), y.astype(np.float64)
+  return 2.0 / len(x) * x.T.dot(x.dot(w) - y) + np.mean(poison)
+
+
 # name -> (make_data, input dtypes and shapes, loss function)
 MODELS = {
     'mlp': (make_data, [(tf.float32, [None, INPUT_DIM]),
@@ -186,6 +216,9 @@ MODELS = {
     'embedding': (make_embedding_data,
                   [(tf.int32, [None, IDS_PER_EXAMPLE]),
                    (tf.float32, [None, OUTPUT_DIM])], embedding_loss),
+    'linear': (make_linear_data,
+               [(tf.float32, [None, LINEAR_DIM]), (tf.float32, [None, 1]),
+                (tf.float32, [None])], linear_loss),
 }
 
 

@@ -127,3 +127,17 @@ def test_old_tensorflow(monkeypatch, version):
 
 def test_supported_tensorflow_imports():
   assert compat.import_tensorflow() is tf
+
+
+@pytest.mark.parametrize('kwargs, error, message', [
+    ({'nonfinite_policy': 'skip'}, ValueError, 'nonfinite_policy must be one'),
+    ({'accumulator_dtype': tf.int32}, ValueError, 'accumulator_dtype must be'),
+    ({'accumulator_dtype': 'no_such_dtype'}, TypeError, ''),
+    ({'clip_norm': 0}, ValueError, 'clip_norm must be None or a positive'),
+    ({'clip_norm': -1.0}, ValueError, 'clip_norm must be None or a positive'),
+    ({'clip_norm': '1.0'}, TypeError, 'clip_norm must be None or a positive'),
+    ({'clip_norm': True}, TypeError, 'clip_norm must be None or a positive'),
+])
+def test_numerics_keywords(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    GradientAggregationOptimizer(_sgd(), 2, **kwargs)

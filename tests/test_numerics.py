@@ -1,0 +1,238 @@
+"""Non-finite micro-batches, loss scaling, accumulator precision, clipping."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import conftest
+from conftest import assert_same_training
+from conftest import make_data
+from conftest import MirroredTrainer
+from conftest import train
+from conftest import Trainer
+
+GRAD_STEPS = 4
+LEARNING_RATE = 0.1
+# (cycle, micro-step) -> the poison that makes that micro-batch non-finite.
+BAD = {(0, 1): np.nan, (1, 0): np.inf, (1, 3): -np.inf,
+       (2, 0): np.nan, (2, 1): np.inf, (2, 2): np.nan, (2, 3): np.nan}
+CYCLES = 4  # the last one is clean
+
+
+def _poisoned_data():
+  x, y, poison = conftest.make_linear_data(
+      CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  for (cycle, step), value in BAD.items():
+    poison[cycle, step * conftest.MICRO_BATCH] = value
+  return x, y, poison
+
+
+def _by_hand(data, policy):
+  """Weights after each cycle, in float64 numpy, for SGD."""
+  w = conftest.LINEAR_INITIAL.astype(np.float64)
+  snapshots = []
+  for cycle, (x, y, poison) in enumerate(zip(*data)):
+    good = []
+    for step in range(GRAD_STEPS):
+      rows = slice(step * conftest.MICRO_BATCH,
+                   (step + 1) * conftest.MICRO_BATCH)
+      if (cycle, step) not in BAD:
+        good.append(conftest.linear_gradient(w, x[rows], y[rows],
+                                             poison[rows]))
+    if (policy == 'skip_micro_batch' and good) or len(good) == GRAD_STEPS:
+      w = w - LEARNING_RATE * np.mean(good, axis=0)
+    snapshots.append({'w': w})
+  return snapshots
+
+
+def _sgd(step=None):
+  del step
+  return tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE)
+
+
+@pytest.mark.parametrize('policy, skipped_cycles', [('skip_micro_batch', 1),
+                                                    ('skip_cycle', 3)])
+def test_policy_matches_hand_computation(policy, skipped_cycles, use_tpu):
+  data = _poisoned_data()
+  trainer = Trainer(_sgd, GRAD_STEPS, model='linear', use_tpu=use_tpu,
+                    nonfinite_policy=policy)
+  with trainer.session() as session:
+    actual = trainer.run(session, data)
+    counts = session.run([trainer.optimizer.skipped_micro_batches,
+                          trainer.optimizer.skipped_cycles,
+                          trainer.global_step])
+  assert_same_training(actual, _by_hand(data, policy))
+  assert counts == [len(BAD), skipped_cycles, CYCLES * GRAD_STEPS]
+
+
+def test_default_policy_is_the_originals(use_tpu):
+  """Without a policy one NaN micro-batch poisons the weights, as before."""
+  trainer = Trainer(_sgd, GRAD_STEPS, model='linear', use_tpu=use_tpu)
+  assert trainer.optimizer.skipped_micro_batches is None
+  with trainer.session() as session:
+    actual = trainer.run(session, _poisoned_data())
+  assert np.all(np.isnan(actual[0]['w']))
+
+
+def _loss_scale_optimizer(loss_scale):
+  def make(step=None):
+    del step
+    return tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+        conftest.deferred_grad.GradientAggregationOptimizer(
+            _sgd(), GRAD_STEPS), loss_scale)
+  return make
+
+
+def test_loss_scale_outside_without_overflow_matches_large_batch():
+  data = conftest.make_linear_data(conftest.CYCLES,
+                                   GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, _, _ = train(_sgd, data, model='linear')
+  trainer = Trainer(_loss_scale_optimizer(128.0), model='linear')
+  trainer.micro_steps = GRAD_STEPS
+  with trainer.session() as session:
+    actual = trainer.run(session, data)
+  assert_same_training(actual, expected)
+
+
+def test_loss_scale_outside_skips_an_overflowing_micro_batch():
+  """The loss-scale optimizer drops it before the wrapper sees it.
+
+  It is neither accumulated nor counted, and the scale halves: the cycle
+  of GRAD_STEPS is completed by the next good micro-batch.
+  """
+  x, y, poison = conftest.make_linear_data(1, 5 * conftest.MICRO_BATCH)
+  x, y, poison = [part[0].reshape((5, conftest.MICRO_BATCH) + part.shape[2:])
+                  for part in (x, y, poison)]
+  poison[1, 0] = np.inf
+  trainer = Trainer(_loss_scale_optimizer('dynamic'), model='linear')
+  with trainer.graph.as_default():
+    scale, = [v for v in trainer.optimizer.variables()
+              if 'current_loss_scale' in v.name]
+  with trainer.session() as session:
+    initial_scale = session.run(scale)
+    steps = []
+    for micro_step in range(5):
+      trainer.micro_step(session, x[micro_step], y[micro_step],
+                         poison[micro_step])
+      steps.append(session.run(trainer.global_step))
+    w = session.run(trainer.variables['w'])
+    assert session.run(scale) == initial_scale / 2
+  assert steps == [1, 1, 2, 3, 4]
+  expected = conftest.LINEAR_INITIAL.astype(np.float64)
+  gradients = [conftest.linear_gradient(expected, x[i], y[i], poison[i])
+               for i in [0, 2, 3, 4]]
+  expected = expected - LEARNING_RATE * np.mean(gradients, axis=0)
+  np.testing.assert_allclose(w, expected, rtol=conftest.RTOL,
+                             atol=conftest.ATOL)
+
+
+def test_float32_accumulator_for_half_precision_variables(use_tpu):
+  """64 small float16 gradients: float32 sums them as float64 would."""
+  micro_steps = 64
+  rng = np.random.RandomState(0)
+  # Gradients of about 1e-3: their means (1.6e-5) are float16 subnormals.
+  gradients = (rng.randn(micro_steps, 8) * 1e-3).astype(np.float16)
+  exact = gradients.astype(np.float64).sum(axis=0) / micro_steps
+  errors = {}
+  for dtype in [None, tf.float32]:
+    graph = tf.Graph()
+    with graph.as_default():
+      w = tf.compat.v1.get_variable('w', initializer=np.zeros(8, np.float16))
+      feed = tf.compat.v1.placeholder(tf.float16, [8])
+      optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(1.0), micro_steps,
+          use_tpu=use_tpu, accumulator_dtype=dtype)
+      train_op = optimizer.apply_gradients([(feed, w)])
+      accumulator = optimizer.get_slot(w, 'grad_accum')
+      assert accumulator.dtype.base_dtype == (dtype or tf.float16)
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for gradient in gradients[:-1]:
+          session.run(train_op, {feed: gradient})
+        accumulated = session.run(accumulator).astype(np.float64)
+        session.run(train_op, {feed: gradients[-1]})
+        applied = session.run(w)
+    last = gradients[-1].astype(np.float64) / micro_steps
+    errors[dtype] = np.max(np.abs(accumulated + last - exact) / np.abs(exact))
+    if dtype is not None:
+      # The float32 mean, rounded once to float16 when applied.
+      np.testing.assert_array_equal(applied, (-exact).astype(np.float16))
+  assert errors[tf.float32] < 1e-6
+  assert errors[None] > 1e-3
+
+
+CLIP_NORM = 0.05
+
+
+def _clipped_sgd(step=None):
+  """Large-batch SGD that clips the large batch's gradient."""
+  optimizer = conftest.OPTIMIZERS['Momentum'](step)
+  apply_gradients = optimizer.apply_gradients
+
+  def apply_clipped(grads_and_vars, *args, **kwargs):
+    grads, variables = zip(*grads_and_vars)
+    clipped, _ = tf.clip_by_global_norm(grads, CLIP_NORM)
+    return apply_gradients(list(zip(clipped, variables)), *args, **kwargs)
+
+  optimizer.apply_gradients = apply_clipped
+  return optimizer
+
+
+def test_clip_norm_clips_the_accumulated_gradient(use_tpu):
+  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, _, _ = train(_clipped_sgd, data)
+  unclipped, _, _ = train(conftest.OPTIMIZERS['Momentum'], data)
+  actual, _, _ = train(conftest.OPTIMIZERS['Momentum'], data,
+                       grad_steps=GRAD_STEPS, use_tpu=use_tpu,
+                       clip_norm=CLIP_NORM)
+  assert_same_training(actual, expected)
+  with pytest.raises(AssertionError):  # the clip bites
+    assert_same_training(actual, unclipped)
+
+
+def test_clip_norm_under_mirrored_strategy_uses_the_global_norm():
+  if not tf.compat.v1.control_flow_v2_enabled():
+    with pytest.raises(ValueError, match='clip_norm with several replicas'):
+      MirroredTrainer(conftest.OPTIMIZERS['Momentum'], GRAD_STEPS,
+                      clip_norm=CLIP_NORM)
+    return
+  data = make_data(conftest.CYCLES,
+                   conftest.REPLICAS * GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, _, _ = train(_clipped_sgd, data)
+  trainer = MirroredTrainer(conftest.OPTIMIZERS['Momentum'], GRAD_STEPS,
+                            clip_norm=CLIP_NORM)
+  with tf.compat.v1.Session(graph=trainer.graph) as session:
+    session.run(trainer.init_op)
+    actual = trainer.run(session, data)
+  assert_same_training(actual, expected)
+
+
+def test_policy_refuses_several_replicas():
+  with pytest.raises(ValueError, match='needs a single replica'):
+    MirroredTrainer(_sgd, GRAD_STEPS, nonfinite_policy='skip_cycle')
+
+
+@conftest.run_once_per_version
+@pytest.mark.parametrize('mode', ['eager', 'tf.function'])
+def test_eager_and_tf_function_raise_at_the_first_call(mode, tmp_path):
+  script = os.path.join(str(tmp_path), 'eager.py')
+  call = ('opt.apply_gradients([(tf.ones([2]), v)])' if mode == 'eager' else
+          'tf.function(lambda: opt.apply_gradients([(tf.ones([2]), v)]))()')
+  with open(script, 'w') as f:
+    f.write('\n'.join([
+        'import tensorflow as tf, deferred_grad',
+        'v = tf.Variable([1.0, 2.0])',
+        'opt = deferred_grad.GradientAggregationOptimizer(',
+        '    tf.compat.v1.train.GradientDescentOptimizer(0.1), 2)',
+        'try:',
+        '  ' + call,
+        'except Exception as e:  # pylint: disable=broad-except',
+        '  print("RAISED %s:" % type(e).__name__, e)',
+    ]))
+  output = conftest.run_tool(script)
+  # (Inside tf.function, autograph prefixes the message with "in user code".)
+  assert 'RAISED RuntimeError:' in output, output
+  assert ('GradientAggregationOptimizer.apply_gradients needs TensorFlow 1 '
+          'style graph mode') in output, output
