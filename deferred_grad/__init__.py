@@ -15,9 +15,14 @@ _compat.import_tensorflow()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from deferred_grad.optimizer import applied_updates
+from deferred_grad.optimizer import collective_barrier
+from deferred_grad.optimizer import collective_run_options
 from deferred_grad.optimizer import GradientAggregationOptimizer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 __version__ = '0.1.0'
 
-__all__ = ['GradientAggregationOptimizer', 'applied_updates']
+__all__ = [
+    'GradientAggregationOptimizer', 'applied_updates', 'collective_barrier',
+    'collective_run_options'
+]

@@ -112,6 +112,45 @@ def applied_updates(global_step, grad_steps, name=None):
     return tf.math.floordiv(global_step, grad_steps)
 
 
+COLLECTIVE_GRAPH_KEY = 20190101
+
+
+def collective_run_options(graph_key=COLLECTIVE_GRAPH_KEY):
+  """`RunOptions` that keep multi-worker collectives in lockstep.
+
+  Under `MultiWorkerMirroredStrategy` in graph mode, a distributed session
+  takes collective step ids from a sequence per graph key. Micro-steps that
+  only accumulate run no collective, and without a fixed key the workers'
+  ids drift apart until the all-reduce of an apply step never matches: a
+  hang. Pass these options to every `session.run` of the training loop,
+  after running `collective_barrier()` with them once; every worker must
+  make the same number of runs.
+
+  Args:
+    graph_key: the collective graph key, the same on every worker.
+
+  Returns:
+    A `tf.compat.v1.RunOptions`.
+  """
+  options = tf.compat.v1.RunOptions()
+  options.experimental.collective_graph_key = graph_key
+  return options
+
+
+def collective_barrier(strategy=None):
+  """A scalar all-reduce across all replicas: the training loop's first run.
+
+  Args:
+    strategy: the `MultiWorkerMirroredStrategy` (default: the current one).
+
+  Returns:
+    A tensor (the number of replicas) whose run waits for every worker.
+  """
+  strategy = strategy or tf.distribute.get_strategy()
+  ones = strategy.extended.call_for_each_replica(lambda: tf.constant(1.0))
+  return strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
+
+
 class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   """Optimizer wrapper that applies the mean gradient of `grad_steps` calls.
 

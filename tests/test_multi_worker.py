@@ -1,0 +1,95 @@
+"""Two worker processes on 127.0.0.1 under MultiWorkerMirroredStrategy.
+
+Each test starts the workers (tests/multi_worker_worker.py) with TF_CONFIG on
+free ports, waits at most WORKER_TIMEOUT seconds and kills what is left, so
+a hang fails the test instead of stalling the suite.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import conftest
+from conftest import assert_same_training
+from conftest import make_data
+from conftest import train
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      'multi_worker_worker.py')
+WORKERS = 2
+GRAD_STEPS = 3  # as in multi_worker_worker.py
+WORKER_TIMEOUT = 180
+
+
+def _free_ports(count):
+  sockets = [socket.socket() for _ in range(count)]
+  try:
+    for s in sockets:
+      s.bind(('127.0.0.1', 0))
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
+
+
+def _run_workers(tmp_path, mode, delays):
+  """Runs the workers to the end; returns each one's final weights."""
+  cluster = {'worker': ['127.0.0.1:%d' % port
+                        for port in _free_ports(WORKERS)]}
+  outputs = [os.path.join(str(tmp_path), 'worker%d.npz' % i)
+             for i in range(WORKERS)]
+  processes = []
+  try:
+    for index, (output, delay) in enumerate(zip(outputs, delays)):
+      env = dict(os.environ, TF_CONFIG=json.dumps({
+          'cluster': cluster, 'task': {'type': 'worker', 'index': index}}))
+      processes.append(subprocess.Popen(
+          [sys.executable, WORKER, output, mode, str(delay)], env=env,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          universal_newlines=True))
+    logs = [p.communicate(timeout=WORKER_TIMEOUT)[0] for p in processes]
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+  for process, log in zip(processes, logs):
+    assert process.returncode == 0, log[-3000:]
+  return [dict(np.load(output)) for output in outputs]
+
+
+def _large_batch():
+  data = make_data(conftest.CYCLES, WORKERS * GRAD_STEPS * conftest.MICRO_BATCH)
+  expected, _, _ = train(conftest.OPTIMIZERS['Momentum'], data)
+  return expected[-1]
+
+
+@conftest.run_once_per_version
+@pytest.mark.parametrize('mode, delays', [
+    ('session', [0, 0]),
+    ('session', [0, 1]),  # one worker a second late
+    ('monitored', [0, 0]),
+])
+def test_workers_train_like_one_large_batch(tmp_path, mode, delays):
+  expected = _large_batch()
+  for weights in _run_workers(tmp_path, mode, delays):
+    weights.pop('collectives')
+    assert_same_training([weights], [expected])
+
+
+@conftest.run_once_per_version
+def test_collectives_run_only_on_apply_steps(tmp_path):
+  """Accumulate-only micro-steps send nothing between workers."""
+  for weights in _run_workers(tmp_path, 'session', [0, 0]):
+    counts = weights['collectives']
+    assert len(counts) == conftest.CYCLES * GRAD_STEPS
+    apply_steps = np.arange(len(counts)) % GRAD_STEPS == GRAD_STEPS - 1
+    assert np.all(counts[~apply_steps] == 0), counts
+    # The gradient all-reduce of the model's 4 variables (possibly packed).
+    assert np.all(counts[apply_steps] >= 1), counts
+
