@@ -351,8 +351,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
     Raises:
       TypeError: `global_step` is not a `Variable`, or `name` not a string.
-      ValueError: `grads_and_vars` is empty, or every gradient is None.
-      RuntimeError: on the GPU path, called in a cross-replica context.
+      ValueError: `grads_and_vars` is empty, or every gradient is None; or a
+        `nonfinite_policy` on several replicas, or `clip_norm` on several
+        replicas under control flow v1.
+      RuntimeError: in eager mode or `tf.function`; or, on the GPU path, in a
+        cross-replica context.
     """
     _check_graph_mode('apply_gradients')
     grads_and_vars = tuple(grads_and_vars)
@@ -375,30 +378,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     # graph is built, from the gradients' types.
     sparse = [self._is_sparse(g) for g, _ in present]
     replica_context = tf.distribute.get_replica_context()
-    if not self._use_tpu and replica_context is None:
-      raise RuntimeError(
-          'GradientAggregationOptimizer.apply_gradients must be called in a '
-          'replica context (e.g. inside '
-          'strategy.extended.call_for_each_replica), not in a cross-replica '
-          'context.')
-    if (self._clip_norm is not None and replica_context and
-        replica_context.num_replicas_in_sync > 1 and
-        not tf.compat.v1.control_flow_v2_enabled()):
-      # The cross-replica norm needs an all-reduce inside tf.cond, which
-      # fails with mirrored ref variables and control flow v1.
-      raise ValueError(
-          'clip_norm with several replicas needs control flow v2 and '
-          'resource variables (tf.compat.v1.disable_eager_execution(), not '
-          'disable_v2_behavior()).')
-    if self._nonfinite_policy and (
-        self._apply_crs_to_grad or
-        (replica_context and replica_context.num_replicas_in_sync > 1)):
-      # Each replica would skip its own micro-batches, and replicas would
-      # disagree on what a cycle's mean is.
-      raise ValueError(
-          'nonfinite_policy=%r needs a single replica; this apply_gradients '
-          'runs on several (a multi-replica strategy or apply_crs_to_grad).'
-          % (self._nonfinite_policy,))
+    self._check_replicas(replica_context)
 
     # Where the original's tf.cond would have put the wrapped optimizer's
     # non-slot variables (Adam's beta1_power, ...): found before this method
@@ -416,9 +396,34 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         return self._apply_on_tpu(accumulate, var_list, sparse, global_step)
     step = self._counter if global_step is None else global_step
     # The original's GPU path: merge_call outside tf.cond.
-    return tf.distribute.get_replica_context().merge_call(
+    return replica_context.merge_call(
         self._apply_on_cycle_end,
         args=(accumulate, var_list, sparse, step, wrapped_vars_scope, scope))
+
+  def _check_replicas(self, replica_context):
+    """Refuses the contexts and replica counts the options cannot serve."""
+    if not self._use_tpu and replica_context is None:
+      raise RuntimeError(
+          'GradientAggregationOptimizer.apply_gradients must be called in a '
+          'replica context (e.g. inside '
+          'strategy.extended.call_for_each_replica), not in a cross-replica '
+          'context.')
+    replicas = replica_context.num_replicas_in_sync if replica_context else 1
+    if (self._clip_norm is not None and replicas > 1 and
+        not tf.compat.v1.control_flow_v2_enabled()):
+      # The cross-replica norm needs an all-reduce inside tf.cond, which
+      # fails with mirrored ref variables and control flow v1.
+      raise ValueError(
+          'clip_norm with several replicas needs control flow v2 and '
+          'resource variables (tf.compat.v1.disable_eager_execution(), not '
+          'disable_v2_behavior()).')
+    if self._nonfinite_policy and (self._apply_crs_to_grad or replicas > 1):
+      # Each replica would skip its own micro-batches, and replicas would
+      # disagree on what a cycle's mean is.
+      raise ValueError(
+          'nonfinite_policy=%r needs a single replica; this apply_gradients '
+          'runs on several (a multi-replica strategy or apply_crs_to_grad).'
+          % (self._nonfinite_policy,))
 
   def _apply_directly(self, grads_and_vars, global_step, name):
     """grad_steps=1: there is nothing to accumulate."""
