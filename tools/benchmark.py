@@ -17,6 +17,11 @@ Suites:
           micro-batch step is given in parameter bytes.
   keras   the step suite's micro-step comparison for Keras 3's
           `gradient_accumulation_steps` (where tf.keras is Keras 3).
+  multiworker  time per effective batch (K micro-batches of 32 per worker) on
+          2 worker processes on 127.0.0.1 under MultiWorkerMirroredStrategy,
+          for K = 1, 4, 16: the wrapper (one all-reduce per K micro-steps)
+          against the bare optimizer (K steps, K all-reduces); a
+          1024-4096-4096 MLP, 84 MB of gradients.
   sparse  accumulate-only micro-step for embedding tables of 10k, 100k and 1M
           rows by 64, 256 ids per micro-step: sparse (scatter-add)
           accumulation against the original's dense accumulation and against
@@ -35,7 +40,8 @@ from absl import flags
 import peak_memory  # tools/peak_memory.py, beside this script
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('suites', ['step', 'memory', 'keras', 'sparse'],
+flags.DEFINE_list('suites', ['step', 'memory', 'keras', 'sparse',
+                             'multiworker'],
                   'Which suites to run.')
 flags.DEFINE_string('output', 'benchmark.json',
                     'JSON results; the Markdown tables go beside it (.md).')
@@ -47,6 +53,7 @@ flags.DEFINE_list('table_rows', ['10000', '100000', '1000000'],
 # Internal: one memory measurement in a child process.
 flags.DEFINE_string('memory_child', None, 'Internal.')
 flags.DEFINE_bool('keras_child', False, 'Internal.')
+flags.DEFINE_string('multiworker_child', None, 'Internal.')
 
 
 def _tf():
@@ -384,6 +391,100 @@ def keras_suite():
   return {'keras': results}, table
 
 
+# ------------------------------------------------------------- multiworker --
+
+MULTIWORKER_WIDTHS = [1024, 4096, 4096]  # 21M parameters: 84 MB all-reduced
+MULTIWORKER_MICRO_BATCH = 32
+
+
+def _multiworker_child():
+  """One worker: times effective batches of K micro-steps; prints JSON."""
+  variant, grad_steps, batches = FLAGS.multiworker_child.split(',')
+  grad_steps, batches = int(grad_steps), int(batches)
+  tf = _tf()
+  import deferred_grad  # pylint: disable=g-import-not-at-top
+  strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
+  config = tf.compat.v1.ConfigProto()
+  strategy.configure(session_config=config)
+  resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+  server = tf.distribute.Server(resolver.cluster_spec(), job_name='worker',
+                                task_index=resolver.task_id, config=config)
+  with tf.Graph().as_default(), strategy.scope():
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+
+    def replica_step():
+      loss, _ = mlp_loss(tf, MULTIWORKER_MICRO_BATCH, MULTIWORKER_WIDTHS,
+                         seed=resolver.task_id)
+      opt = tf.compat.v1.train.GradientDescentOptimizer(0.01)
+      if variant == 'wrapper':
+        opt = deferred_grad.GradientAggregationOptimizer(opt, grad_steps)
+      return opt.minimize(loss / strategy.num_replicas_in_sync,
+                          global_step=global_step)
+
+    train_op = strategy.group(
+        strategy.extended.call_for_each_replica(replica_step))
+    barrier = deferred_grad.collective_barrier(strategy)
+    options = deferred_grad.collective_run_options()
+    session = tf.compat.v1.Session(server.target, config=config)
+    session.run(tf.compat.v1.global_variables_initializer())
+    session.run(barrier, options=options)
+    times = []
+    for batch in range(batches + 1):  # the first is warm-up
+      start = time.perf_counter()
+      for _ in range(grad_steps):
+        session.run(train_op, options=options)
+      if batch:
+        times.append(time.perf_counter() - start)
+  print(json.dumps({'seconds_per_effective_batch': _median(times)}))
+
+
+def multiworker_suite():
+  """2 workers on 127.0.0.1; every configuration in fresh processes."""
+  import socket  # pylint: disable=g-import-not-at-top
+  results = []
+  rows = []
+  for grad_steps in [1, 4, 16]:
+    measured = {}
+    for variant in ['bare', 'wrapper']:
+      sockets = [socket.socket() for _ in range(2)]
+      for s in sockets:
+        s.bind(('127.0.0.1', 0))
+      cluster = {'worker': ['127.0.0.1:%d' % s.getsockname()[1]
+                            for s in sockets]}
+      for s in sockets:
+        s.close()
+      processes = [
+          subprocess.Popen(
+              [sys.executable, os.path.abspath(__file__),
+               '--multiworker_child=%s,%d,%d' % (variant, grad_steps,
+                                                 max(3, 48 // grad_steps))],
+              env=dict(os.environ, TF_CONFIG=json.dumps(
+                  {'cluster': cluster,
+                   'task': {'type': 'worker', 'index': index}})),
+              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+              universal_newlines=True) for index in range(2)]
+      try:
+        outputs = [p.communicate(timeout=600)[0] for p in processes]
+      finally:
+        for p in processes:
+          if p.poll() is None:
+            p.kill()
+      seconds = max(json.loads(o.strip().splitlines()[-1])
+                    ['seconds_per_effective_batch'] for o in outputs)
+      measured[variant] = seconds * 1e3
+    result = {'grad_steps': grad_steps, 'bare_ms': measured['bare'],
+              'wrapper_ms': measured['wrapper'],
+              'ratio': measured['wrapper'] / measured['bare']}
+    results.append(result)
+    print('multiworker: %s' % result, flush=True)
+    rows.append([str(grad_steps), '%.0f' % result['bare_ms'],
+                 '%.0f' % result['wrapper_ms'], '%.2f' % result['ratio']])
+  table = _markdown(
+      ['K', 'bare: K steps, K all-reduces (ms)',
+       'wrapper: K micro-steps, 1 all-reduce (ms)', 'ratio'], rows)
+  return {'multiworker': results}, table
+
+
 # ----------------------------------------------------------------- sparse --
 
 def _sparse_session(tf, rows, variant, ids_per_step=256, dim=64):
@@ -468,6 +569,7 @@ SUITES = {
     'step': step_suite,
     'memory': memory_suite,
     'keras': keras_suite,
+    'multiworker': multiworker_suite,
     'sparse': sparse_suite,
 }
 
@@ -478,6 +580,8 @@ def main(argv):
     return _memory_child()
   if FLAGS.keras_child:
     return _keras_child()
+  if FLAGS.multiworker_child:
+    return _multiworker_child()
   unknown = set(FLAGS.suites) - set(SUITES)
   if unknown:
     sys.exit('unknown --suites %s; known: %s' % (sorted(unknown),
