@@ -33,20 +33,17 @@ def _unfoldable_zeros(variable):
   return tf.fill(tf.shape(variable), zero)
 
 
-def _cast(gradient, dtype):
+def _values(gradient):
+  """The dense values of a Tensor or of an IndexedSlices."""
+  return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _map_values(gradient, fn):
+  """`fn` applied to a Tensor, or to an IndexedSlices' values (same rows)."""
   if isinstance(gradient, tf.IndexedSlices):
-    return tf.IndexedSlices(tf.cast(gradient.values, dtype), gradient.indices,
+    return tf.IndexedSlices(fn(gradient.values), gradient.indices,
                             gradient.dense_shape)
-  return tf.cast(gradient, dtype)
-
-
-def _scale(gradient, scale):
-  """gradient * scale, for a Tensor or IndexedSlices; scale: a scalar."""
-  if isinstance(gradient, tf.IndexedSlices):
-    return tf.IndexedSlices(
-        gradient.values * tf.cast(scale, gradient.values.dtype),
-        gradient.indices, gradient.dense_shape)
-  return gradient * tf.cast(scale, gradient.dtype)
+  return fn(gradient)
 
 
 def _check_positive_int(value, arg_name):
@@ -467,9 +464,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     if not self._nonfinite_policy:
       return self._add_to_accumulators(grads_and_vars)
     finite = tf.reduce_all([
-        tf.reduce_all(tf.math.is_finite(
-            g.values if isinstance(g, tf.IndexedSlices) else g))
-        for g, _ in grads_and_vars
+        tf.reduce_all(tf.math.is_finite(_values(g))) for g, _ in grads_and_vars
     ])
     added = self._cond(finite,
                        lambda: self._add_to_accumulators(grads_and_vars),
@@ -564,7 +559,10 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       grads = [tf.compat.v1.tpu.cross_replica_sum(g) for g in grads]
     if self._clip_norm is not None:
       grads = self._clip(grads)
-    grads = [_cast(g, v.dtype.base_dtype) for g, v in zip(grads, var_list)]
+    grads = [
+        _map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
+        for g, v in zip(grads, var_list)
+    ]
     if self._nonfinite_policy:
       apply_op = self._apply_finite(grads, var_list)
     else:
@@ -590,12 +588,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     and each replica hands on 1/replicas of the clipped sum for the wrapped
     optimizer's own all-reduce to add up.
     """
-    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+    replica_context = tf.distribute.get_replica_context()
+    replicas = replica_context.num_replicas_in_sync
     if replicas > 1:
       # identity: reads of ref variables (v1 behaviour) are ref tensors, which
       # all_reduce would take for the variables themselves.
       grads = [tf.identity(tf.convert_to_tensor(g)) for g in grads]
-      grads = tf.distribute.get_replica_context().all_reduce(
+      grads = replica_context.all_reduce(
           tf.distribute.ReduceOp.SUM, grads)
     clipped, _ = tf.clip_by_global_norm(grads, self._clip_norm)
     if replicas > 1:
@@ -609,7 +608,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       apply_now = good > 0
       # The accumulators hold sum / grad_steps over the good micro-batches.
       scale = self._grad_steps / tf.maximum(good, 1)
-      grads = [_scale(g, scale) for g in grads]
+      grads = [_map_values(g, lambda x: x * tf.cast(scale, x.dtype))
+               for g in grads]
     else:
       apply_now = tf.equal(good, self._grad_steps)
     return self._cond(

@@ -82,6 +82,29 @@ OPTIMIZERS = {
 }
 
 
+def with_gradient_transform(make_optimizer, transform):
+  """An optimizer factory whose optimizers transform what they apply.
+
+  Args:
+    make_optimizer: factory taking the step tensor (see OPTIMIZERS).
+    transform: function of the list of (gradient, variable) pairs that
+      `apply_gradients` receives; returns the pairs to apply.
+
+  Returns:
+    A factory like `make_optimizer`.
+  """
+  def make(step):
+    optimizer = make_optimizer(step)
+    apply_gradients = optimizer.apply_gradients
+
+    def apply_transformed(grads_and_vars, *args, **kwargs):
+      return apply_gradients(transform(list(grads_and_vars)), *args, **kwargs)
+
+    optimizer.apply_gradients = apply_transformed
+    return optimizer
+  return make
+
+
 def sgd(step=None):
   del step
   return tf.compat.v1.train.GradientDescentOptimizer(0.1)

@@ -166,23 +166,20 @@ def test_float32_accumulator_for_half_precision_variables(use_tpu):
 CLIP_NORM = 0.05
 
 
-def _clipped_sgd(step=None):
-  """Large-batch SGD that clips the large batch's gradient."""
-  optimizer = conftest.OPTIMIZERS['Momentum'](step)
-  apply_gradients = optimizer.apply_gradients
+def _clip_pairs(grads_and_vars):
+  grads, variables = zip(*grads_and_vars)
+  clipped, _ = tf.clip_by_global_norm(grads, CLIP_NORM)
+  return list(zip(clipped, variables))
 
-  def apply_clipped(grads_and_vars, *args, **kwargs):
-    grads, variables = zip(*grads_and_vars)
-    clipped, _ = tf.clip_by_global_norm(grads, CLIP_NORM)
-    return apply_gradients(list(zip(clipped, variables)), *args, **kwargs)
 
-  optimizer.apply_gradients = apply_clipped
-  return optimizer
+# Large-batch Momentum that clips the large batch's gradient.
+_clipped_momentum = conftest.with_gradient_transform(
+    conftest.OPTIMIZERS['Momentum'], _clip_pairs)
 
 
 def test_clip_norm_clips_the_accumulated_gradient(use_tpu):
   data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
-  expected, _, _ = train(_clipped_sgd, data)
+  expected, _, _ = train(_clipped_momentum, data)
   unclipped, _, _ = train(conftest.OPTIMIZERS['Momentum'], data)
   actual, _, _ = train(conftest.OPTIMIZERS['Momentum'], data,
                        grad_steps=GRAD_STEPS, use_tpu=use_tpu,
@@ -200,7 +197,7 @@ def test_clip_norm_under_mirrored_strategy_uses_the_global_norm():
     return
   data = make_data(conftest.CYCLES,
                    conftest.REPLICAS * GRAD_STEPS * conftest.MICRO_BATCH)
-  expected, _, _ = train(_clipped_sgd, data)
+  expected, _, _ = train(_clipped_momentum, data)
   trainer = MirroredTrainer(conftest.OPTIMIZERS['Momentum'], GRAD_STEPS,
                             clip_norm=CLIP_NORM)
   with tf.compat.v1.Session(graph=trainer.graph) as session:

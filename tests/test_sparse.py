@@ -30,28 +30,18 @@ def _data(replicas=1):
                              replicas * GRAD_STEPS * conftest.MICRO_BATCH)
 
 
-def _spy_on_handoff(trainer_kwargs):
-  """Wraps make_optimizer so that the gradient types it receives are kept."""
+def _spy_on_handoff(make_optimizer):
+  """(factory, received): received lists the gradient kinds applied."""
   received = []
-  make_optimizer = trainer_kwargs['make_optimizer']
 
-  def make_spied(step):
-    optimizer = make_optimizer(step)
-    apply_gradients = optimizer.apply_gradients
+  def record(grads_and_vars):
+    received.append({
+        v.op.name: 'sparse' if isinstance(g, tf.IndexedSlices) else 'dense'
+        for g, v in grads_and_vars
+    })
+    return grads_and_vars
 
-    def spy(grads_and_vars, *args, **kwargs):
-      grads_and_vars = list(grads_and_vars)
-      received.append({
-          v.op.name: 'sparse' if isinstance(g, tf.IndexedSlices) else 'dense'
-          for g, v in grads_and_vars
-      })
-      return apply_gradients(grads_and_vars, *args, **kwargs)
-
-    optimizer.apply_gradients = spy
-    return optimizer
-
-  trainer_kwargs['make_optimizer'] = make_spied
-  return received
+  return conftest.with_gradient_transform(make_optimizer, record), received
 
 
 @pytest.mark.parametrize('optimizer', SPARSE_OPTIMIZERS)
@@ -59,11 +49,9 @@ def test_matches_large_batch(optimizer, use_tpu):
   make_optimizer = conftest.OPTIMIZERS[optimizer]
   data = _data()
   expected, _, _ = train(make_optimizer, data, model='embedding')
-  kwargs = dict(make_optimizer=make_optimizer)
-  received = _spy_on_handoff(kwargs)
+  spied, received = _spy_on_handoff(make_optimizer)
   actual, _, _ = train(
-      kwargs['make_optimizer'], data, grad_steps=GRAD_STEPS, use_tpu=use_tpu,
-      model='embedding')
+      spied, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu, model='embedding')
   assert received == [{'table': 'sparse', 'projection': 'dense'}]
   assert_same_training(actual, expected)
 
@@ -109,25 +97,16 @@ def test_micro_step_scatters_into_the_accumulator(use_tpu):
 def test_sparse_as_dense_is_the_original_dense_handoff(use_tpu):
   """sparse_as_dense=True trains like the large batch with a dense gradient."""
   make_optimizer = conftest.OPTIMIZERS['Momentum']
-
-  def densified(step):
-    optimizer = make_optimizer(step)
-    apply_gradients = optimizer.apply_gradients
-
-    def apply_dense(grads_and_vars, *args, **kwargs):
-      grads_and_vars = [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]
-      return apply_gradients(grads_and_vars, *args, **kwargs)
-
-    optimizer.apply_gradients = apply_dense
-    return optimizer
+  densified = conftest.with_gradient_transform(
+      make_optimizer,
+      lambda pairs: [(tf.convert_to_tensor(g), v) for g, v in pairs])
 
   data = _data()
   dense_large_batch, _, _ = train(densified, data, model='embedding')
   sparse_large_batch, _, _ = train(make_optimizer, data, model='embedding')
-  kwargs = dict(make_optimizer=make_optimizer)
-  received = _spy_on_handoff(kwargs)
+  spied, received = _spy_on_handoff(make_optimizer)
   actual, _, _ = train(
-      kwargs['make_optimizer'], data, grad_steps=GRAD_STEPS, use_tpu=use_tpu,
+      spied, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu,
       model='embedding', sparse_as_dense=True)
   assert received == [{'table': 'dense', 'projection': 'dense'}]
   assert_same_training(actual, dense_large_batch)
