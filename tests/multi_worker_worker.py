@@ -1,10 +1,11 @@
 """One worker of the multi-worker tests (test_multi_worker.py starts two).
 
 Usage: multi_worker_worker.py OUTPUT.npz MODE DELAY_SECONDS, with TF_CONFIG
-set. MODE is 'session' (a raw Session) or 'monitored'
-(MonitoredTrainingSession, is_chief=True on every worker). Each worker feeds
-its half of every micro-batch and writes its final weights (and, in session
-mode, the executed collectives per micro-step) to OUTPUT.npz.
+set. MODE is 'session' (a raw Session), 'monitored'
+(MonitoredTrainingSession, is_chief=True on every worker) or 'estimator'
+(Estimator + train_and_evaluate; TF_CONFIG names a chief and a worker). Each
+worker feeds its half of every micro-batch and writes its final weights (and,
+in session mode, the executed collectives per micro-step) to OUTPUT.npz.
 """
 
 import os
@@ -22,8 +23,74 @@ WORKERS = 2
 GRAD_STEPS = 3
 
 
+def _micro_batches(task):
+  """This worker's half of every micro-batch: (x, y), one micro-batch per row.
+
+  Worker `task` takes rows [task * MICRO_BATCH, (task + 1) * MICRO_BATCH) of
+  each micro-batch of WORKERS * MICRO_BATCH examples, so that the cycle's
+  examples are those of one large batch in single-process training.
+  """
+  x_data, y_data = conftest.make_data(conftest.CYCLES,
+                                      WORKERS * GRAD_STEPS *
+                                      conftest.MICRO_BATCH)
+  shape = (conftest.CYCLES * GRAD_STEPS, WORKERS, conftest.MICRO_BATCH, -1)
+  return (x_data.reshape(shape)[:, task], y_data.reshape(shape)[:, task])
+
+
+class _SaveWeightsHook(tf.compat.v1.train.SessionRunHook):
+  """Writes the trainable variables to OUTPUT.npz when training ends."""
+
+  def __init__(self, output):
+    self._output = output
+    self._variables = None
+
+  def begin(self):
+    self._variables = {variable.op.name: variable
+                       for variable in tf.compat.v1.trainable_variables()}
+
+  def end(self, session):
+    np.savez(self._output, collectives=np.zeros([0], np.int64),
+             **session.run(self._variables))
+
+
+def estimator_main(output):
+  """Estimator + train_and_evaluate: the chief and the worker both train.
+
+  Estimator all-reduces its loss every step, so no run options are needed.
+  """
+  strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
+  task = tf.estimator.RunConfig().global_id_in_cluster
+
+  def input_fn(input_context=None):
+    del input_context  # each worker's data is cut by _micro_batches
+    return tf.data.Dataset.from_tensor_slices(_micro_batches(task))
+
+  def model_fn(features, labels, mode):
+    loss, _ = conftest.model_loss(features, labels)
+    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+        conftest.OPTIMIZERS['Momentum'](None), GRAD_STEPS)
+    # Estimator scales the loss by 1 / replicas for TF1 optimizers.
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=(
+        optimizer.minimize(loss, tf.compat.v1.train.get_global_step())))
+
+  # Under this strategy TensorFlow adds the chief's CheckpointSaverHook only
+  # when summaries are saved too (save_summary_steps > 0), and replaces
+  # save_checkpoints_secs with steps.
+  estimator = tf.estimator.Estimator(model_fn, config=tf.estimator.RunConfig(
+      model_dir=os.path.join(os.path.dirname(output), 'model'),
+      train_distribute=strategy, save_summary_steps=10**6,
+      save_checkpoints_steps=10**6, log_step_count_steps=10**6))
+  tf.estimator.train_and_evaluate(
+      estimator,
+      tf.estimator.TrainSpec(input_fn, max_steps=conftest.CYCLES * GRAD_STEPS,
+                             hooks=[_SaveWeightsHook(output)]),
+      tf.estimator.EvalSpec(input_fn, steps=1))
+
+
 def main(output, mode, delay):
   time.sleep(delay)
+  if mode == 'estimator':
+    return estimator_main(output)
   strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
   config = tf.compat.v1.ConfigProto()
   strategy.configure(session_config=config)
@@ -32,9 +99,7 @@ def main(output, mode, delay):
   server = tf.distribute.Server(
       resolver.cluster_spec(), job_name='worker', task_index=task,
       config=config, start=True)
-  x_data, y_data = conftest.make_data(conftest.CYCLES,
-                                      WORKERS * GRAD_STEPS *
-                                      conftest.MICRO_BATCH)
+  x_data, y_data = _micro_batches(task)
   with tf.Graph().as_default(), strategy.scope():
     global_step = tf.compat.v1.train.get_or_create_global_step()
     x = tf.compat.v1.placeholder(tf.float32, [None, conftest.INPUT_DIM])
@@ -54,12 +119,8 @@ def main(output, mode, delay):
     options = conftest.deferred_grad.collective_run_options()
 
     def feeds():
-      micro_batch = WORKERS * conftest.MICRO_BATCH
-      for cycle in range(conftest.CYCLES):
-        for k in range(GRAD_STEPS):
-          start = k * micro_batch + task * conftest.MICRO_BATCH
-          rows = slice(start, start + conftest.MICRO_BATCH)
-          yield {x: x_data[cycle, rows], y: y_data[cycle, rows]}
+      for x_value, y_value in zip(x_data, y_data):
+        yield {x: x_value, y: y_value}
 
     collectives = []  # executed Collective* ops per micro-step
     if mode == 'session':

@@ -2,7 +2,8 @@
 
 Each test starts the workers (tests/multi_worker_worker.py) with TF_CONFIG on
 free ports, waits at most WORKER_TIMEOUT seconds and kills what is left, so
-a hang fails the test instead of stalling the suite.
+a hang fails the test instead of stalling the suite. The workers inherit
+DEFERRED_GRAD_TF_BEHAVIOR, so both behaviours are tested.
 """
 
 import json
@@ -13,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import conftest
 from conftest import assert_same_training
@@ -38,16 +40,24 @@ def _free_ports(count):
 
 
 def _run_workers(tmp_path, mode, delays):
-  """Runs the workers to the end; returns each one's final weights."""
-  cluster = {'worker': ['127.0.0.1:%d' % port
-                        for port in _free_ports(WORKERS)]}
+  """Runs the workers to the end; returns each one's final weights.
+
+  Estimator needs a chief: its TF_CONFIG names one chief and one worker.
+  """
+  if mode == 'estimator':
+    tasks = [('chief', 0), ('worker', 0)]
+  else:
+    tasks = [('worker', index) for index in range(WORKERS)]
+  cluster = {}
+  for (task_type, _), port in zip(tasks, _free_ports(WORKERS)):
+    cluster.setdefault(task_type, []).append('127.0.0.1:%d' % port)
   outputs = [os.path.join(str(tmp_path), 'worker%d.npz' % i)
              for i in range(WORKERS)]
   processes = []
   try:
-    for index, (output, delay) in enumerate(zip(outputs, delays)):
+    for (task_type, index), output, delay in zip(tasks, outputs, delays):
       env = dict(os.environ, TF_CONFIG=json.dumps({
-          'cluster': cluster, 'task': {'type': 'worker', 'index': index}}))
+          'cluster': cluster, 'task': {'type': task_type, 'index': index}}))
       processes.append(subprocess.Popen(
           [sys.executable, WORKER, output, mode, str(delay)], env=env,
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -69,7 +79,6 @@ def _large_batch():
   return expected[-1]
 
 
-@conftest.run_once_per_version
 @pytest.mark.parametrize('mode, delays', [
     ('session', [0, 0]),
     ('session', [0, 1]),  # one worker a second late
@@ -82,7 +91,6 @@ def test_workers_train_like_one_large_batch(tmp_path, mode, delays):
     assert_same_training([weights], [expected])
 
 
-@conftest.run_once_per_version
 def test_collectives_run_only_on_apply_steps(tmp_path):
   """Accumulate-only micro-steps send nothing between workers."""
   for weights in _run_workers(tmp_path, 'session', [0, 0]):
@@ -93,3 +101,18 @@ def test_collectives_run_only_on_apply_steps(tmp_path):
     # The gradient all-reduce of the model's 4 variables (possibly packed).
     assert np.all(counts[apply_steps] >= 1), counts
 
+
+
+@pytest.mark.skipif(
+    not hasattr(tf.compat.v1, 'estimator'),
+    reason='tf.estimator was removed after TensorFlow 2.15 (tested there)')
+def test_estimator_train_and_evaluate_trains_like_one_large_batch(tmp_path):
+  """Chief and worker; the chief's checkpoint holds the same weights."""
+  expected = _large_batch()
+  for weights in _run_workers(tmp_path, 'estimator', [0, 0]):
+    weights.pop('collectives')
+    assert_same_training([weights], [expected])
+  checkpoint = tf.train.load_checkpoint(str(tmp_path / 'model'))
+  assert checkpoint.get_tensor('global_step') == conftest.CYCLES * GRAD_STEPS
+  assert_same_training(
+      [{name: checkpoint.get_tensor(name) for name in expected}], [expected])
