@@ -59,11 +59,11 @@ def estimator_main(output):
   Estimator all-reduces its loss every step, so no run options are needed.
   """
   strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
-  task = tf.estimator.RunConfig().global_id_in_cluster
 
-  def input_fn(input_context=None):
-    del input_context  # each worker's data is cut by _micro_batches
-    return tf.data.Dataset.from_tensor_slices(_micro_batches(task))
+  def input_fn(input_context):
+    # The chief's pipeline is 0, the worker's 1.
+    return tf.data.Dataset.from_tensor_slices(
+        _micro_batches(input_context.input_pipeline_id))
 
   def model_fn(features, labels, mode):
     loss, _ = conftest.model_loss(features, labels)
