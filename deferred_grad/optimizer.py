@@ -20,17 +20,33 @@ _COUNTER_NAME = 'update_count'
 NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
 
 
-def _unfoldable_zeros(variable):
-  """Zeros shaped like `variable`, made when the apply step runs.
+def _run_time_zeros(shape, dtype=tf.float32, partition_info=None):
+  """Zeros of `shape` that TensorFlow cannot fold into a constant.
 
-  TensorFlow's graph optimizers fold `tf.zeros` and `tf.zeros_like` of a
-  known shape into a constant as large as the variable, which then stays in
-  memory on every micro-step (measured: about 1x the parameter bytes). A
-  fill value they cannot know keeps the zeros a run-time tensor.
+  TensorFlow's graph optimizers fold zeros of a known shape into a constant
+  as large as the result, and a session keeps every constant its executors
+  ran for as long as it lives. As the accumulators' initial value (the
+  original's zeros slot) that pinned 1x the parameter bytes (measured with
+  tools/benchmark.py); as the zeros of the apply step it did too. A fill
+  value they cannot know keeps the zeros a run-time tensor, freed after use.
+
+  Args:
+    shape: the shape, a list or a 1-D integer tensor.
+    dtype: the element type.
+    partition_info: unused; part of the initializer signature.
+
+  Returns:
+    A tensor of zeros.
   """
-  dtype = variable.dtype.base_dtype
+  del partition_info
+  dtype = tf.as_dtype(dtype).base_dtype
   zero = tf.compat.v1.placeholder_with_default(tf.constant(0, dtype), [])
-  return tf.fill(tf.shape(variable), zero)
+  return tf.fill(shape, zero)
+
+
+def _unfoldable_zeros(variable):
+  """Zeros shaped like `variable`, made when the apply step runs."""
+  return _run_time_zeros(tf.shape(variable), variable.dtype)
 
 
 def _values(gradient):
@@ -295,12 +311,19 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     for v in var_list:
       dtype = self._accumulator_dtype
-      if dtype is None or dtype == v.dtype.base_dtype:
+      if dtype is None:
+        dtype = v.dtype.base_dtype
+      if v.shape.is_fully_defined():
+        self._opt._get_or_make_slot_with_initializer(  # pylint: disable=protected-access
+            v, _run_time_zeros, v.shape, dtype, _ACCUMULATOR_SLOT,
+            _ACCUMULATOR_OP_NAME)
+      elif dtype == v.dtype.base_dtype:
+        # Only a variable's value knows its shape: TensorFlow's zeros slot.
         self._opt._zeros_slot(v, _ACCUMULATOR_SLOT, _ACCUMULATOR_OP_NAME)  # pylint: disable=protected-access
       else:
-        self._opt._get_or_make_slot_with_initializer(  # pylint: disable=protected-access
-            v, tf.compat.v1.zeros_initializer(), v.shape, dtype,
-            _ACCUMULATOR_SLOT, _ACCUMULATOR_OP_NAME)
+        raise ValueError(
+            'accumulator_dtype=%s needs variables of known shape; %s has '
+            'shape %s.' % (dtype.name, v.name, v.shape))
     if self._nonfinite_policy and self._good_micro_batches is None:
       counter = lambda name: tf.compat.v1.get_variable(  # pylint: disable=g-long-lambda
           name, shape=[], dtype=tf.int64,

@@ -110,3 +110,58 @@ def test_grad_steps_one_is_the_bare_optimizer(use_tpu):
   names = sorted(v.op.name for v in graph.get_collection('variables'))
   assert names == sorted(
       v.op.name for v in expected_graph.get_collection('variables'))
+
+
+def _unknown_shape_variable():
+  """A variable whose static shape is unknown, in either behaviour."""
+  return tf.compat.v1.Variable(np.array([1.0, -2.0], np.float32),
+                               shape=tf.TensorShape(None), validate_shape=False,
+                               name='v')
+
+
+def test_variable_of_unknown_shape(use_tpu):
+  """Its accumulator takes TensorFlow's zeros slot, shaped at run time."""
+  learning_rate = 0.1
+  with tf.Graph().as_default():
+    v = _unknown_shape_variable()
+    assert v.shape.rank is None
+    x = tf.compat.v1.placeholder(tf.float32, [2])
+    loss = tf.reduce_sum(tf.square(v - x))
+    train_op = conftest.deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
+        GRAD_STEPS, use_tpu=use_tpu).minimize(loss)
+    targets = np.random.RandomState(0).randn(GRAD_STEPS, 2).astype(np.float32)
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for target in targets:
+        session.run(train_op, {x: target})
+      actual = session.run(v)
+  start = np.array([1.0, -2.0])
+  # One SGD step on the mean of the micro-batches' gradients 2 (v - x).
+  expected = start - learning_rate * np.mean(2 * (start - targets), axis=0)
+  np.testing.assert_allclose(actual, expected, rtol=1e-6)
+
+
+def test_accumulators_start_as_run_time_zeros():
+  """No accumulator's initial value is a constant the session would keep.
+
+  A session keeps every constant its executors ran; zeros of a known shape
+  become one after constant folding, and the original's zeros slots pinned
+  1x the parameter bytes that way (tools/benchmark.py --suites=memory).
+  """
+  with tf.Graph().as_default():
+    loss, model = conftest.model_loss(
+        tf.ones([2, conftest.INPUT_DIM]), tf.ones([2, conftest.OUTPUT_DIM]))
+    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), GRAD_STEPS)
+    optimizer.minimize(loss)
+    for name, variable in sorted(model.items()):
+      initial = optimizer.get_slot(variable, 'grad_accum').initial_value
+      assert initial.op.type == 'Fill', name
+      assert initial.op.inputs[1].op.type == 'PlaceholderWithDefault', name
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for name, variable in model.items():
+        accumulator = session.run(optimizer.get_slot(variable, 'grad_accum'))
+        assert accumulator.shape == tuple(variable.shape), name
+        assert not np.any(accumulator), name

@@ -141,3 +141,14 @@ def test_supported_tensorflow_imports():
 def test_numerics_keywords(kwargs, error, message):
   with pytest.raises(error, match=message):
     GradientAggregationOptimizer(_sgd(), 2, **kwargs)
+
+
+def test_accumulator_dtype_needs_a_known_shape():
+  with tf.Graph().as_default():
+    v = tf.compat.v1.Variable([1.0, 2.0], shape=tf.TensorShape(None),
+                              validate_shape=False)
+    optimizer = GradientAggregationOptimizer(
+        _sgd(), 2, accumulator_dtype=tf.float64)
+    with pytest.raises(ValueError, match='accumulator_dtype=float64 needs '
+                       'variables of known shape'):
+      optimizer.minimize(tf.reduce_sum(v))
