@@ -598,9 +598,17 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         if isinstance(grad, tf.IndexedSlices):
           zeros.append(accumulator.scatter_update(
               tf.IndexedSlices(tf.zeros_like(grad.values), grad.indices)))
-        else:
-          zeros.append(accumulator.assign(_unfoldable_zeros(accumulator),
-                                          read_value=False))
+    # One dense accumulator at a time: each one's zeros are allocated after
+    # the previous accumulator's old buffer is freed, so the apply step holds
+    # at most one variable's worth of new zeros (all at once: 1x the
+    # parameter bytes, the peak of the step; tools/benchmark.py).
+    previous = apply_op
+    for accumulator, grad in zip(accumulators, grads):
+      if not isinstance(grad, tf.IndexedSlices):
+        with tf.control_dependencies([previous]):
+          previous = accumulator.assign(_unfoldable_zeros(accumulator),
+                                        read_value=False)
+        zeros.append(previous)
     return tf.group(*zeros)
 
   def _clip(self, grads):
