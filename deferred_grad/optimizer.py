@@ -590,21 +590,21 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       apply_op = self._apply_finite(grads, var_list)
     else:
       apply_op = self._opt.apply_gradients(list(zip(grads, var_list)))
-    with tf.control_dependencies([apply_op]):
-      zeros = []
-      if self._nonfinite_policy:
+    zeros = []
+    if self._nonfinite_policy:
+      with tf.control_dependencies([apply_op]):
         zeros.append(self._good_micro_batches.assign(0, read_value=False))
-      for accumulator, grad in zip(accumulators, grads):
-        if isinstance(grad, tf.IndexedSlices):
-          zeros.append(accumulator.scatter_update(
-              tf.IndexedSlices(tf.zeros_like(grad.values), grad.indices)))
     # One dense accumulator at a time: each one's zeros are allocated after
     # the previous accumulator's old buffer is freed, so the apply step holds
     # at most one variable's worth of new zeros (all at once: 1x the
     # parameter bytes, the peak of the step; tools/benchmark.py).
     previous = apply_op
     for accumulator, grad in zip(accumulators, grads):
-      if not isinstance(grad, tf.IndexedSlices):
+      if isinstance(grad, tf.IndexedSlices):
+        with tf.control_dependencies([apply_op]):
+          zeros.append(accumulator.scatter_update(
+              tf.IndexedSlices(tf.zeros_like(grad.values), grad.indices)))
+      else:
         with tf.control_dependencies([previous]):
           previous = accumulator.assign(_unfoldable_zeros(accumulator),
                                         read_value=False)

@@ -130,6 +130,13 @@ _INITIAL = {
 }
 
 
+def unknown_shape_variable(value):
+  """A float32 variable whose static shape is unknown, in either behaviour."""
+  return tf.compat.v1.Variable(np.array(value, np.float32),
+                               shape=tf.TensorShape(None), validate_shape=False,
+                               name='v')
+
+
 def model_loss(x, y, with_unused=False):
   """A small tanh MLP with a mean squared error; returns (loss, variables).
 

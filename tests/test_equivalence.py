@@ -112,18 +112,12 @@ def test_grad_steps_one_is_the_bare_optimizer(use_tpu):
       v.op.name for v in expected_graph.get_collection('variables'))
 
 
-def _unknown_shape_variable():
-  """A variable whose static shape is unknown, in either behaviour."""
-  return tf.compat.v1.Variable(np.array([1.0, -2.0], np.float32),
-                               shape=tf.TensorShape(None), validate_shape=False,
-                               name='v')
-
-
 def test_variable_of_unknown_shape(use_tpu):
   """Its accumulator takes TensorFlow's zeros slot, shaped at run time."""
   learning_rate = 0.1
+  start = np.array([1.0, -2.0])
   with tf.Graph().as_default():
-    v = _unknown_shape_variable()
+    v = conftest.unknown_shape_variable(start)
     assert v.shape.rank is None
     x = tf.compat.v1.placeholder(tf.float32, [2])
     loss = tf.reduce_sum(tf.square(v - x))
@@ -136,7 +130,6 @@ def test_variable_of_unknown_shape(use_tpu):
       for target in targets:
         session.run(train_op, {x: target})
       actual = session.run(v)
-  start = np.array([1.0, -2.0])
   # One SGD step on the mean of the micro-batches' gradients 2 (v - x).
   expected = start - learning_rate * np.mean(2 * (start - targets), axis=0)
   np.testing.assert_allclose(actual, expected, rtol=1e-6)

@@ -145,8 +145,7 @@ def test_numerics_keywords(kwargs, error, message):
 
 def test_accumulator_dtype_needs_a_known_shape():
   with tf.Graph().as_default():
-    v = tf.compat.v1.Variable([1.0, 2.0], shape=tf.TensorShape(None),
-                              validate_shape=False)
+    v = conftest.unknown_shape_variable([1.0, 2.0])
     optimizer = GradientAggregationOptimizer(
         _sgd(), 2, accumulator_dtype=tf.float64)
     with pytest.raises(ValueError, match='accumulator_dtype=float64 needs '

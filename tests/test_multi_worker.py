@@ -102,7 +102,6 @@ def test_collectives_run_only_on_apply_steps(tmp_path):
     assert np.all(counts[apply_steps] >= 1), counts
 
 
-
 @pytest.mark.skipif(
     not hasattr(tf.compat.v1, 'estimator'),
     reason='tf.estimator was removed after TensorFlow 2.15 (tested there)')
