@@ -14,10 +14,10 @@ from deferred_grad import compat as _compat
 _compat.import_tensorflow()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from deferred_grad.optimizer import applied_updates
-from deferred_grad.optimizer import collective_barrier
-from deferred_grad.optimizer import collective_run_options
+from deferred_grad.distribute import collective_barrier
+from deferred_grad.distribute import collective_run_options
 from deferred_grad.optimizer import GradientAggregationOptimizer
+from deferred_grad.steps import applied_updates
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 __version__ = '0.1.0'

@@ -98,3 +98,16 @@ def run_cond_as_function(graph, ops_before):
     if len(devices) <= 1:
       op._set_attr('_lower_using_switch_merge',  # pylint: disable=protected-access
                    attr_value_pb2.AttrValue(b=False))
+
+
+def cond(pred, true_fn, false_fn):
+  """`tf.cond` whose control flow v2 `If` op is run as a function.
+
+  See `run_cond_as_function`.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  graph = tf.compat.v1.get_default_graph()
+  ops_before = graph.get_operations()
+  result = tf.cond(pred, true_fn, false_fn)
+  run_cond_as_function(graph, ops_before)
+  return result

@@ -1,0 +1,277 @@
+"""Gradient accumulators: one kind per kind of gradient.
+
+Each variable that receives a gradient gets an accumulator slot holding the
+sum of the cycle's micro-batch gradients divided by `grad_steps` (the mean
+over a full cycle, as the original kept it, so that its checkpoints restore
+mid-cycle). The three kinds share one small interface:
+
+* `add(gradient)`: a micro-step's op adding `gradient / grad_steps`;
+* `read()`: the cycle's accumulated gradient, for the apply step;
+* `reset(after)`: the op that empties the accumulator once the apply step
+  has read it.
+
+`DenseAccumulator` adds in place with one kernel; `ShardedAccumulator` reads
+through an XLA sharding annotation (`xla_num_partitions`); `SparseAccumulator`
+scatter-adds the rows of a `tf.IndexedSlices` and hands on an
+`tf.IndexedSlices` over the rows the cycle touched.
+"""
+
+from __future__ import absolute_import
+from __future__ import division
+from __future__ import print_function
+
+from deferred_grad import compat
+from deferred_grad import sharding
+
+tf = compat.import_tensorflow()
+
+SLOT_NAME = 'grad_accum'
+SLOT_OP_NAME = 'GradientAccumulator'
+
+
+def run_time_zeros(shape, dtype=tf.float32, partition_info=None):
+  """Zeros of `shape` that TensorFlow cannot fold into a constant.
+
+  TensorFlow's graph optimizers fold zeros of a known shape into a constant
+  as large as the result, and a session keeps every constant its executors
+  ran for as long as it lives. As the accumulators' initial value (the
+  original's zeros slot) that pinned 1x the parameter bytes (measured with
+  `tools/benchmark --suites=memory`); as the zeros of the apply step it did
+  too. A fill value they cannot know keeps the zeros a run-time tensor,
+  freed after use.
+
+  Args:
+    shape: the shape, a list or a 1-D integer tensor.
+    dtype: the element type.
+    partition_info: unused; part of the initializer signature.
+
+  Returns:
+    A tensor of zeros.
+  """
+  del partition_info
+  dtype = tf.as_dtype(dtype).base_dtype
+  zero = tf.compat.v1.placeholder_with_default(tf.constant(0, dtype), [])
+  return tf.fill(shape, zero)
+
+
+def create_slot(opt, variable, dtype):
+  """Creates (or finds) `variable`'s accumulator slot, owned by `opt`.
+
+  The slot belongs to the wrapped optimizer, as in the original, so that it
+  is saved as `<variable name>/GradientAccumulator`.
+
+  Args:
+    opt: the wrapped `tf.compat.v1.train.Optimizer`.
+    variable: the variable whose gradient it accumulates.
+    dtype: the accumulator's dtype, or None for the variable's.
+
+  Returns:
+    The slot variable.
+
+  Raises:
+    ValueError: a `dtype` other than the variable's for a variable of unknown
+      static shape.
+  """
+  # pylint: disable=protected-access
+  dtype = dtype or variable.dtype.base_dtype
+  if variable.shape.is_fully_defined():
+    return opt._get_or_make_slot_with_initializer(
+        variable, run_time_zeros, variable.shape, dtype, SLOT_NAME,
+        SLOT_OP_NAME)
+  if dtype == variable.dtype.base_dtype:
+    # Only a variable's value knows its shape: TensorFlow's zeros slot.
+    return opt._zeros_slot(variable, SLOT_NAME, SLOT_OP_NAME)
+  raise ValueError(
+      'accumulator_dtype=%s needs variables of known shape; %s has shape %s.'
+      % (dtype.name, variable.name, variable.shape))
+
+
+class DenseAccumulator(object):
+  """Accumulates dense gradients in place.
+
+  Args:
+    slot: the accumulator variable.
+    grad_steps: the number of micro-steps per cycle.
+  """
+
+  def __init__(self, slot, grad_steps):
+    self.slot = slot
+    self._grad_steps = grad_steps
+
+  def _dense(self, gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+      gradient = tf.convert_to_tensor(gradient)
+    return tf.cast(gradient, self.slot.dtype.base_dtype)
+
+  def add(self, gradient):
+    """accumulator += gradient / grad_steps, in place, in one kernel.
+
+    SGD's kernel with learning rate -1/grad_steps does exactly this, without
+    the temporary that `assign_add(gradient / grad_steps)` allocates and with
+    one op per variable instead of two (`tools/benchmark --suites=step`).
+
+    Args:
+      gradient: a Tensor (or an IndexedSlices, densified).
+
+    Returns:
+      The op.
+    """
+    gradient = self._dense(gradient)
+    variable = compat.local_variable(self.slot)
+    alpha = tf.constant(-1.0 / self._grad_steps,
+                        dtype=variable.dtype.base_dtype)
+    if compat.is_ref_variable(variable):
+      return tf.raw_ops.ApplyGradientDescent(
+          var=variable, alpha=alpha, delta=gradient).op
+    return tf.raw_ops.ResourceApplyGradientDescent(
+        var=variable.handle, alpha=alpha, delta=gradient)
+
+  def read(self):
+    """The cycle's accumulated gradient (a Tensor)."""
+    return self.slot.read_value()
+
+  def reset(self, after, gradient=None):
+    """Zeroes the accumulator once `after` has run; returns the op.
+
+    Dense accumulators are reset one after another (each `reset` is given the
+    previous one as `after`): each one's zeros are then allocated after the
+    previous accumulator's old buffer is freed, so the apply step holds at
+    most one variable's worth of new zeros (all at once: 1x the parameter
+    bytes, the peak of the step; `tools/benchmark --suites=memory`).
+
+    Args:
+      after: the op to run first.
+      gradient: what `read` returned (unused: the whole slot is zeroed).
+
+    Returns:
+      The op.
+    """
+    del gradient
+    with tf.control_dependencies([after]):
+      return self.slot.assign(
+          run_time_zeros(tf.shape(self.slot), self.slot.dtype),
+          read_value=False)
+
+  # Dense resets are chained; see `reset_all`.
+  chained_reset = True
+
+
+class ShardedAccumulator(DenseAccumulator):
+  """A dense accumulator whose reads carry the XLA sharding rule.
+
+  Args:
+    slot: the accumulator variable.
+    grad_steps: the number of micro-steps per cycle.
+    num_partitions: `xla_num_partitions`.
+  """
+
+  def __init__(self, slot, grad_steps, num_partitions):
+    super(ShardedAccumulator, self).__init__(slot, grad_steps)
+    self._num_partitions = num_partitions
+
+  def add(self, gradient):
+    """accumulator = sharded(accumulator) + gradient / grad_steps."""
+    current = sharding.shard(self.slot.read_value(), self._num_partitions)
+    return self.slot.assign(
+        current + self._dense(gradient) / self._grad_steps, read_value=False)
+
+
+class SparseAccumulator(object):
+  """Accumulates `tf.IndexedSlices` row by row.
+
+  The rows touched in a cycle are not stored anywhere (the original's
+  checkpoints have no place for them): they are the rows whose accumulated
+  gradient is not zero. A touched row whose sum is exactly zero in every
+  entry is therefore left out.
+
+  Args:
+    slot: the accumulator variable.
+    grad_steps: the number of micro-steps per cycle.
+    num_partitions: `xla_num_partitions`, for the apply step's read.
+  """
+
+  chained_reset = False
+
+  def __init__(self, slot, grad_steps, num_partitions=None):
+    self.slot = slot
+    self._grad_steps = grad_steps
+    self._num_partitions = num_partitions
+
+  def add(self, gradient):
+    """Scatter-adds the rows looked up; duplicates add up, as when dense.
+
+    The cost does not grow with the table.
+    """
+    dtype = self.slot.dtype.base_dtype
+    return self.slot.scatter_add(
+        tf.IndexedSlices(
+            tf.cast(gradient.values, dtype) / self._grad_steps,
+            gradient.indices))
+
+  def read(self):
+    """The accumulated gradient as IndexedSlices over its non-zero rows."""
+    value = sharding.shard(self.slot.read_value(), self._num_partitions)
+    nonzero = tf.not_equal(value, 0)
+    if value.shape.rank > 1:
+      nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
+    rows = tf.reshape(tf.where(nonzero), [-1])
+    return tf.IndexedSlices(
+        tf.gather(value, rows), rows, dense_shape=tf.shape(value, tf.int64))
+
+  def reset(self, after, gradient):
+    """Zeroes the rows `gradient` (what `read` returned) holds, after `after`.
+
+    Returns:
+      The op.
+    """
+    dtype = self.slot.dtype.base_dtype
+    with tf.control_dependencies([after]):
+      return self.slot.scatter_update(
+          tf.IndexedSlices(tf.zeros_like(gradient.values, dtype),
+                           gradient.indices))
+
+
+def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
+           num_partitions=None):
+  """Creates `variable`'s accumulator of the kind its gradient needs.
+
+  Args:
+    opt: the wrapped optimizer, which owns the slot.
+    variable: the variable.
+    gradient: its gradient (a Tensor or an IndexedSlices).
+    grad_steps: micro-steps per cycle.
+    sparse: accumulate an IndexedSlices gradient row by row.
+    dtype: `accumulator_dtype`, or None.
+    num_partitions: `xla_num_partitions`, or None.
+
+  Returns:
+    A `DenseAccumulator`, `ShardedAccumulator` or `SparseAccumulator`.
+  """
+  slot = create_slot(opt, variable, dtype)
+  if sparse and isinstance(gradient, tf.IndexedSlices):
+    return SparseAccumulator(slot, grad_steps, num_partitions)
+  if num_partitions is None:
+    return DenseAccumulator(slot, grad_steps)
+  return ShardedAccumulator(slot, grad_steps, num_partitions)
+
+
+def reset_all(accumulators, gradients, after):
+  """Resets every accumulator after `after`; dense ones one after another.
+
+  Args:
+    accumulators: the accumulators the apply step read.
+    gradients: what each one's `read` returned, in the same order.
+    after: the op (the wrapped optimizer's apply) that must run first.
+
+  Returns:
+    A list of ops.
+  """
+  resets = []
+  previous = after
+  for accumulator, gradient in zip(accumulators, gradients):
+    if accumulator.chained_reset:
+      previous = accumulator.reset(previous, gradient)
+      resets.append(previous)
+    else:
+      resets.append(accumulator.reset(after, gradient))
+  return resets

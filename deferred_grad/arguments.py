@@ -1,0 +1,80 @@
+"""Checks of the wrapper's arguments: each error names the argument and value."""
+
+from __future__ import absolute_import
+from __future__ import division
+from __future__ import print_function
+
+import numbers
+
+from deferred_grad import compat
+
+tf = compat.import_tensorflow()
+
+
+def check_positive_int(value, arg_name):
+  """Returns `value` as an int, or raises naming `arg_name`.
+
+  Raises:
+    TypeError: not an int (a bool, a float and a string are refused).
+    ValueError: not positive.
+  """
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError('%s must be a positive int, got %r of type %s.' %
+                    (arg_name, value, type(value).__name__))
+  if value < 1:
+    raise ValueError('%s must be a positive int, got %r.' % (arg_name, value))
+  return int(value)
+
+
+def check_bool(value, arg_name):
+  """Returns `value`, or raises a TypeError naming `arg_name`."""
+  # A string such as 'False' is truthy: refuse it rather than guess.
+  if not isinstance(value, bool):
+    raise TypeError('%s must be a bool, got %r of type %s.' %
+                    (arg_name, value, type(value).__name__))
+  return value
+
+
+def check_optimizer(opt):
+  """Raises a TypeError unless `opt` is a `tf.compat.v1.train.Optimizer`."""
+  if not isinstance(opt, tf.compat.v1.train.Optimizer):
+    raise TypeError(
+        'opt must be a tf.compat.v1.train.Optimizer (e.g. '
+        'tf.compat.v1.train.AdamOptimizer), got %r of type %s.' %
+        (opt, type(opt).__name__))
+  return opt
+
+
+def check_accumulator_dtype(dtype):
+  """Returns None or a float `tf.DType`, or raises naming the argument."""
+  if dtype is None:
+    return None
+  dtype = tf.as_dtype(dtype)
+  if not dtype.is_floating:
+    raise ValueError('accumulator_dtype must be None or a float dtype, '
+                     'got %r.' % (dtype,))
+  return dtype
+
+
+def check_clip_norm(clip_norm):
+  """Returns None or a positive number, or raises naming the argument."""
+  if clip_norm is None:
+    return None
+  if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real):
+    raise TypeError('clip_norm must be None or a positive number, got %r '
+                    'of type %s.' % (clip_norm, type(clip_norm).__name__))
+  if not clip_norm > 0:
+    raise ValueError('clip_norm must be None or a positive number, got '
+                     '%r.' % (clip_norm,))
+  return clip_norm
+
+
+def check_graph_mode(method):
+  """Raises a RuntimeError in eager mode or inside a `tf.function`."""
+  if tf.compat.v1.executing_eagerly_outside_functions():
+    raise RuntimeError(
+        'GradientAggregationOptimizer.%s needs TensorFlow 1 style graph mode: '
+        'call tf.compat.v1.disable_eager_execution() (or '
+        'disable_v2_behavior()) at program start. Eager execution and '
+        'tf.function are not supported; Keras 3 optimizers offer '
+        'gradient_accumulation_steps there.' % method)
