@@ -82,7 +82,7 @@ def run_cond_as_function(graph, ops_before):
   tensors through every op of the branch not taken, on every run. The
   wrapper's apply branch holds a few ops per variable, and it is not taken
   on grad_steps - 1 of grad_steps micro-steps: run as a function, `If`
-  executes only the branch taken (measured in tools/benchmark.py). XLA and
+  executes only the branch taken (`tools/benchmark --suites=step`). XLA and
   control flow v1 ignore this.
 
   An unlowered `If` is placed with all the resources it reads, so this is

@@ -17,7 +17,9 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import conftest  # the model, data and behaviour set-up of the tests
+import behavior  # the TF behaviour of the tests, set before any graph
+import deferred_grad
+import models
 
 WORKERS = 2
 GRAD_STEPS = 3
@@ -30,10 +32,10 @@ def _micro_batches(task):
   each micro-batch of WORKERS * MICRO_BATCH examples, so that the cycle's
   examples are those of one large batch in single-process training.
   """
-  x_data, y_data = conftest.make_data(conftest.CYCLES,
+  x_data, y_data = models.make_data(models.CYCLES,
                                       WORKERS * GRAD_STEPS *
-                                      conftest.MICRO_BATCH)
-  shape = (conftest.CYCLES * GRAD_STEPS, WORKERS, conftest.MICRO_BATCH, -1)
+                                      models.MICRO_BATCH)
+  shape = (models.CYCLES * GRAD_STEPS, WORKERS, models.MICRO_BATCH, -1)
   return (x_data.reshape(shape)[:, task], y_data.reshape(shape)[:, task])
 
 
@@ -66,9 +68,9 @@ def estimator_main(output):
         _micro_batches(input_context.input_pipeline_id))
 
   def model_fn(features, labels, mode):
-    loss, _ = conftest.model_loss(features, labels)
-    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
-        conftest.OPTIMIZERS['Momentum'](None), GRAD_STEPS)
+    loss, _ = models.model_loss(features, labels)
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        models.OPTIMIZERS['Momentum'](None), GRAD_STEPS)
     # Estimator scales the loss by 1 / replicas for TF1 optimizers.
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=(
         optimizer.minimize(loss, tf.compat.v1.train.get_global_step())))
@@ -82,7 +84,7 @@ def estimator_main(output):
       save_checkpoints_steps=10**6, log_step_count_steps=10**6))
   tf.estimator.train_and_evaluate(
       estimator,
-      tf.estimator.TrainSpec(input_fn, max_steps=conftest.CYCLES * GRAD_STEPS,
+      tf.estimator.TrainSpec(input_fn, max_steps=models.CYCLES * GRAD_STEPS,
                              hooks=[_SaveWeightsHook(output)]),
       tf.estimator.EvalSpec(input_fn, steps=1))
 
@@ -102,21 +104,21 @@ def main(output, mode, delay):
   x_data, y_data = _micro_batches(task)
   with tf.Graph().as_default(), strategy.scope():
     global_step = tf.compat.v1.train.get_or_create_global_step()
-    x = tf.compat.v1.placeholder(tf.float32, [None, conftest.INPUT_DIM])
-    y = tf.compat.v1.placeholder(tf.float32, [None, conftest.OUTPUT_DIM])
-    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
-        conftest.OPTIMIZERS['Momentum'](None), GRAD_STEPS)
+    x = tf.compat.v1.placeholder(tf.float32, [None, models.INPUT_DIM])
+    y = tf.compat.v1.placeholder(tf.float32, [None, models.OUTPUT_DIM])
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        models.OPTIMIZERS['Momentum'](None), GRAD_STEPS)
     variables = {}
 
     def replica_step():
-      loss, model = conftest.model_loss(x, y)
+      loss, model = models.model_loss(x, y)
       variables.update(model)
       return optimizer.minimize(loss / WORKERS, global_step=global_step)
 
     train_op = strategy.group(
         strategy.extended.call_for_each_replica(replica_step))
-    barrier = conftest.deferred_grad.collective_barrier(strategy)
-    options = conftest.deferred_grad.collective_run_options()
+    barrier = deferred_grad.collective_barrier(strategy)
+    options = deferred_grad.collective_run_options()
 
     def feeds():
       for x_value, y_value in zip(x_data, y_data):

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import Trainer
+import deferred_grad
+import models
+import training
+from training import Trainer
 
 _MODEL = ['b1', 'b2', 'w1', 'w2']
 
@@ -30,10 +32,10 @@ def test_checkpoint_keys_are_the_originals(use_tpu, name, tmp_path):
   graph = tf.Graph()
   with graph.as_default():
     global_step = tf.compat.v1.train.get_or_create_global_step()
-    x = tf.compat.v1.placeholder(tf.float32, [None, conftest.INPUT_DIM])
-    y = tf.compat.v1.placeholder(tf.float32, [None, conftest.OUTPUT_DIM])
-    loss, _ = conftest.model_loss(x, y)
-    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+    x = tf.compat.v1.placeholder(tf.float32, [None, models.INPUT_DIM])
+    y = tf.compat.v1.placeholder(tf.float32, [None, models.OUTPUT_DIM])
+    loss, _ = models.model_loss(x, y)
+    optimizer = deferred_grad.GradientAggregationOptimizer(
         tf.compat.v1.train.AdamOptimizer(0.01), 2, use_tpu=use_tpu)
     grads_and_vars = optimizer.compute_gradients(loss)
     ops_before = set(graph.get_operations())
@@ -71,11 +73,11 @@ _OPTIMIZER_FOR = {'mlp': 'Adam', 'embedding': 'Momentum'}
 
 
 def _micro_batches(model='mlp'):
-  return conftest.MODELS[model][0](TOTAL_STEPS, conftest.MICRO_BATCH)
+  return models.MODELS[model][0](TOTAL_STEPS, models.MICRO_BATCH)
 
 
 def _trainer(use_tpu, model='mlp'):
-  return Trainer(conftest.OPTIMIZERS[_OPTIMIZER_FOR[model]], GRAD_STEPS,
+  return Trainer(models.OPTIMIZERS[_OPTIMIZER_FOR[model]], GRAD_STEPS,
                  use_tpu=use_tpu, model=model)
 
 
@@ -130,7 +132,7 @@ def test_monitored_session_resumes_mid_cycle(use_tpu, tmp_path):
   resumed = {
       name: tf.train.load_variable(checkpoint_dir, name) for name in expected
   }
-  conftest.assert_same_training([resumed], [expected], rtol=0, atol=0)
+  training.assert_same_training([resumed], [expected], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize('model', ['mlp', 'embedding'])
@@ -150,7 +152,7 @@ def test_restores_a_checkpoint_written_under_the_original_names(
              'projection/GradientAccumulator'}
     assert set(state) == names | ({'update_count'} if use_tpu else set())
     touched = np.any(state['table/GradientAccumulator'] != 0, axis=1)
-    assert 0 < touched.sum() < conftest.TABLE_ROWS
+    assert 0 < touched.sum() < models.TABLE_ROWS
   if use_tpu:
     # The original counted micro-steps without wrapping at grad_steps.
     assert state['update_count'] == STOP_STEP % GRAD_STEPS
@@ -170,4 +172,4 @@ def test_restores_a_checkpoint_written_under_the_original_names(
     for step in range(STOP_STEP, TOTAL_STEPS):
       trainer.micro_step(session, *[part[step] for part in batches])
     resumed = session.run(trainer.variables)
-  conftest.assert_same_training([resumed], [expected], rtol=0, atol=0)
+  training.assert_same_training([resumed], [expected], rtol=0, atol=0)

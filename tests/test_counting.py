@@ -4,18 +4,19 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import assert_same_training
-from conftest import make_data
-from conftest import Trainer
-from conftest import train
+import models
+import training
+from models import make_data
+from training import assert_same_training
+from training import train
+from training import Trainer
 
 GRAD_STEPS = 3
 
 
 def test_global_step_counts_micro_steps_and_weights_move_on_the_last(use_tpu):
-  trainer = Trainer(conftest.sgd, GRAD_STEPS, use_tpu=use_tpu)
-  x, y = make_data(2 * GRAD_STEPS, conftest.MICRO_BATCH)
+  trainer = Trainer(models.sgd, GRAD_STEPS, use_tpu=use_tpu)
+  x, y = make_data(2 * GRAD_STEPS, models.MICRO_BATCH)
   with trainer.session() as session:
     before = session.run(trainer.variables)
     for step in range(2 * GRAD_STEPS):
@@ -23,7 +24,7 @@ def test_global_step_counts_micro_steps_and_weights_move_on_the_last(use_tpu):
       after = session.run(trainer.variables)
       assert session.run(trainer.global_step) == step + 1
       if step % GRAD_STEPS == GRAD_STEPS - 1:
-        conftest.assert_weights_moved(before, after)
+        training.assert_weights_moved(before, after)
       else:
         for name in before:
           np.testing.assert_array_equal(after[name], before[name])
@@ -33,8 +34,8 @@ def test_global_step_counts_micro_steps_and_weights_move_on_the_last(use_tpu):
 @pytest.mark.parametrize('optimizer', ['GradientDescent', 'Adam'])
 def test_every_run_matches_large_batch(optimizer, use_tpu):
   """The original's TPU path raced on update_count (about 1 run in 5)."""
-  make_optimizer = conftest.OPTIMIZERS[optimizer]
-  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  make_optimizer = models.OPTIMIZERS[optimizer]
+  data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(make_optimizer, data)
   trainer = Trainer(make_optimizer, GRAD_STEPS, use_tpu=use_tpu)
   with trainer.session() as session:
@@ -44,14 +45,14 @@ def test_every_run_matches_large_batch(optimizer, use_tpu):
 
 
 def test_update_count_wraps_at_grad_steps_and_reads_old_counts():
-  trainer = Trainer(conftest.sgd, GRAD_STEPS, use_tpu=True)
+  trainer = Trainer(models.sgd, GRAD_STEPS, use_tpu=True)
   with trainer.graph.as_default():
     counter, = [
         v for v in tf.compat.v1.global_variables()
         if v.op.name == 'update_count'
     ]
     set_counter = counter.assign(7.0)
-  x, y = make_data(1, conftest.MICRO_BATCH)
+  x, y = make_data(1, models.MICRO_BATCH)
   with trainer.session() as session:
     for step in range(2 * GRAD_STEPS + 1):
       trainer.micro_step(session, x[0], y[0])
@@ -65,12 +66,12 @@ def test_update_count_wraps_at_grad_steps_and_reads_old_counts():
                                     before[name])
     assert session.run(counter) == 2
     trainer.micro_step(session, x[0], y[0])
-    conftest.assert_weights_moved(before, session.run(trainer.variables))
+    training.assert_weights_moved(before, session.run(trainer.variables))
     assert session.run(counter) == 0
 
 
 def test_optimizer_variables_include_update_count(use_tpu):
-  trainer = Trainer(conftest.OPTIMIZERS['Adam'], GRAD_STEPS, use_tpu=use_tpu)
+  trainer = Trainer(models.OPTIMIZERS['Adam'], GRAD_STEPS, use_tpu=use_tpu)
   with trainer.graph.as_default():
     names = [v.op.name for v in trainer.optimizer.variables()]
   expected = ['beta1_power', 'beta2_power'] + [

@@ -3,9 +3,9 @@
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import run_once_per_version
-from conftest import run_tool
+import scripts
+from scripts import run_once_per_version
+from scripts import run_tool
 
 _needs_estimator = pytest.mark.skipif(
     not hasattr(tf.compat.v1, 'estimator'),
@@ -28,5 +28,5 @@ def test_demo_trains_like_the_large_batch():
     pytest.param('tpu_estimator_example.py', marks=_needs_estimator),
 ])
 def test_example_trains(example):
-  first, last = conftest.loss_decrease(run_tool('examples/' + example, *_SMALL))
+  first, last = scripts.loss_decrease(run_tool('examples/' + example, *_SMALL))
   assert last < first

@@ -4,29 +4,30 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import assert_same_training
-from conftest import make_data
-from conftest import MirroredTrainer
-from conftest import train
+import models
+import training
+from models import make_data
+from training import assert_same_training
+from training import MirroredTrainer
+from training import train
 
-REPLICAS = conftest.REPLICAS
+REPLICAS = training.REPLICAS
 GRAD_STEPS = 3
 
 
 @pytest.mark.parametrize('use_global_step', [True, False])
 @pytest.mark.parametrize('optimizer', ['GradientDescent', 'Adam', 'Momentum'])
 def test_matches_large_batch_split_across_replicas(optimizer, use_global_step):
-  make_optimizer = conftest.OPTIMIZERS[optimizer]
-  micro_batch = REPLICAS * conftest.MICRO_BATCH
-  data = make_data(conftest.CYCLES, GRAD_STEPS * micro_batch)
+  make_optimizer = models.OPTIMIZERS[optimizer]
+  micro_batch = REPLICAS * models.MICRO_BATCH
+  data = make_data(models.CYCLES, GRAD_STEPS * micro_batch)
   expected, _, _ = train(make_optimizer, data)
   trainer = MirroredTrainer(make_optimizer, GRAD_STEPS, use_global_step)
   with tf.compat.v1.Session(graph=trainer.graph) as session:
     session.run(trainer.init_op)
     actual = trainer.run(session, data)
     if use_global_step:
-      assert session.run(trainer.global_step) == conftest.CYCLES * GRAD_STEPS
+      assert session.run(trainer.global_step) == models.CYCLES * GRAD_STEPS
   assert_same_training(actual, expected)
 
 
@@ -34,7 +35,7 @@ def _replica_gradient(x, y):
   """d(loss / REPLICAS)/d(w1) of the bare model on one replica's rows."""
   graph = tf.Graph()
   with graph.as_default():
-    loss, variables = conftest.model_loss(tf.constant(x), tf.constant(y))
+    loss, variables = models.model_loss(tf.constant(x), tf.constant(y))
     gradient, = tf.gradients(loss / REPLICAS, [variables['w1']])
     with tf.compat.v1.Session() as session:
       session.run(tf.compat.v1.global_variables_initializer())
@@ -42,8 +43,8 @@ def _replica_gradient(x, y):
 
 
 def test_each_replica_keeps_its_own_accumulator():
-  trainer = MirroredTrainer(conftest.OPTIMIZERS['GradientDescent'], GRAD_STEPS)
-  x, y = make_data(1, REPLICAS * conftest.MICRO_BATCH)
+  trainer = MirroredTrainer(models.OPTIMIZERS['GradientDescent'], GRAD_STEPS)
+  x, y = make_data(1, REPLICAS * models.MICRO_BATCH)
   x, y = trainer.split(x[0]), trainer.split(y[0])
   with trainer.graph.as_default():
     accumulator = trainer.optimizer.get_slot(trainer.variables['w1'],
@@ -60,8 +61,8 @@ def test_each_replica_keeps_its_own_accumulator():
     np.testing.assert_allclose(
         values[replica],
         _replica_gradient(x[replica], y[replica]) / GRAD_STEPS,
-        rtol=conftest.RTOL,
-        atol=conftest.ATOL)
+        rtol=training.RTOL,
+        atol=training.ATOL)
   assert not np.allclose(values[0], values[1])
 
 
@@ -85,8 +86,8 @@ def test_variables_on_two_devices_match_large_batch(use_tpu):
       return '/cpu:1' if op.name.startswith(('w2', 'b2')) else '/cpu:0'
     return ''
 
-  make_optimizer = conftest.OPTIMIZERS['Momentum']
-  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  make_optimizer = models.OPTIMIZERS['Momentum']
+  data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(make_optimizer, data)
   actual, _, graph = train(make_optimizer, data, grad_steps=GRAD_STEPS,
                            use_tpu=use_tpu, device=two_devices)
@@ -97,7 +98,7 @@ def test_variables_on_two_devices_match_large_batch(use_tpu):
 
 
 def test_cond_runs_as_a_function_on_one_device(use_tpu):
-  graph = conftest.Trainer(conftest.sgd, GRAD_STEPS, use_tpu=use_tpu).graph
+  graph = training.Trainer(models.sgd, GRAD_STEPS, use_tpu=use_tpu).graph
   if tf.compat.v1.control_flow_v2_enabled():
     assert _if_lowering(graph) == [False]
   else:

@@ -4,30 +4,31 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import assert_same_training
-from conftest import make_data
-from conftest import train
+import deferred_grad
+import models
+from models import make_data
+from training import assert_same_training
+from training import train
 
 GRAD_STEPS = 4
 
 
-@pytest.mark.parametrize('optimizer', sorted(conftest.OPTIMIZERS))
+@pytest.mark.parametrize('optimizer', sorted(models.OPTIMIZERS))
 def test_matches_large_batch(optimizer, use_tpu):
-  make_optimizer = conftest.OPTIMIZERS[optimizer]
-  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  make_optimizer = models.OPTIMIZERS[optimizer]
+  data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
   expected, expected_step, _ = train(make_optimizer, data)
   actual, actual_step, _ = train(
       make_optimizer, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu)
   assert_same_training(actual, expected)
-  assert expected_step == conftest.CYCLES
-  assert actual_step == conftest.CYCLES * GRAD_STEPS
+  assert expected_step == models.CYCLES
+  assert actual_step == models.CYCLES * GRAD_STEPS
 
 
 def test_wrong_step_for_adagrad_da_differs():
   """Guards the test above: AdagradDA reading micro-steps trains otherwise."""
-  make_optimizer = conftest.OPTIMIZERS['AdagradDA']
-  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  make_optimizer = models.OPTIMIZERS['AdagradDA']
+  data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(make_optimizer, data)
   actual, _, _ = train(
       make_optimizer, data, grad_steps=GRAD_STEPS, step_tensor='global_step')
@@ -41,7 +42,7 @@ def test_learning_rate_schedule_fed_by_applied_updates(use_tpu):
         0.5, step, decay_steps=1, decay_rate=0.5)
     return tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
 
-  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(make_optimizer, data)
   actual, _, _ = train(
       make_optimizer, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu)
@@ -61,7 +62,7 @@ def test_applied_updates_values():
   graph = tf.Graph()
   with graph.as_default():
     step = tf.compat.v1.placeholder(tf.int64, [])
-    updates = conftest.deferred_grad.applied_updates(step, 4)
+    updates = deferred_grad.applied_updates(step, 4)
     with tf.compat.v1.Session() as session:
       got = [session.run(updates, {step: s}) for s in range(10)]
   assert got == [s // 4 for s in range(10)]
@@ -69,10 +70,10 @@ def test_applied_updates_values():
 
 def test_without_global_step(use_tpu):
   """The original crashed with global_step=None; it must still cycle."""
-  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
-  expected, _, _ = train(conftest.OPTIMIZERS['Adam'], data)
+  data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
+  expected, _, _ = train(models.OPTIMIZERS['Adam'], data)
   actual, _, _ = train(
-      conftest.OPTIMIZERS['Adam'],
+      models.OPTIMIZERS['Adam'],
       data,
       grad_steps=GRAD_STEPS,
       use_tpu=use_tpu,
@@ -83,11 +84,11 @@ def test_without_global_step(use_tpu):
 
 def test_none_gradients_are_skipped(use_tpu):
   """The original failed on a variable the loss does not depend on."""
-  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
-  expected, _, _ = train(conftest.OPTIMIZERS['Momentum'], data,
+  data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
+  expected, _, _ = train(models.OPTIMIZERS['Momentum'], data,
                          model_kwargs={'with_unused': True})
   actual, _, graph = train(
-      conftest.OPTIMIZERS['Momentum'],
+      models.OPTIMIZERS['Momentum'],
       data,
       grad_steps=GRAD_STEPS,
       use_tpu=use_tpu,
@@ -100,11 +101,11 @@ def test_none_gradients_are_skipped(use_tpu):
 
 
 def test_grad_steps_one_is_the_bare_optimizer(use_tpu):
-  data = make_data(conftest.CYCLES, conftest.MICRO_BATCH)
+  data = make_data(models.CYCLES, models.MICRO_BATCH)
   expected, expected_step, expected_graph = train(
-      conftest.OPTIMIZERS['Adam'], data)
+      models.OPTIMIZERS['Adam'], data)
   actual, actual_step, graph = train(
-      conftest.OPTIMIZERS['Adam'], data, grad_steps=1, use_tpu=use_tpu)
+      models.OPTIMIZERS['Adam'], data, grad_steps=1, use_tpu=use_tpu)
   assert_same_training(actual, expected, rtol=0, atol=0)
   assert actual_step == expected_step
   names = sorted(v.op.name for v in graph.get_collection('variables'))
@@ -117,11 +118,11 @@ def test_variable_of_unknown_shape(use_tpu):
   learning_rate = 0.1
   start = np.array([1.0, -2.0])
   with tf.Graph().as_default():
-    v = conftest.unknown_shape_variable(start)
+    v = models.unknown_shape_variable(start)
     assert v.shape.rank is None
     x = tf.compat.v1.placeholder(tf.float32, [2])
     loss = tf.reduce_sum(tf.square(v - x))
-    train_op = conftest.deferred_grad.GradientAggregationOptimizer(
+    train_op = deferred_grad.GradientAggregationOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
         GRAD_STEPS, use_tpu=use_tpu).minimize(loss)
     targets = np.random.RandomState(0).randn(GRAD_STEPS, 2).astype(np.float32)
@@ -140,12 +141,12 @@ def test_accumulators_start_as_run_time_zeros():
 
   A session keeps every constant its executors ran; zeros of a known shape
   become one after constant folding, and the original's zeros slots pinned
-  1x the parameter bytes that way (tools/benchmark.py --suites=memory).
+  1x the parameter bytes that way (tools/benchmark --suites=memory).
   """
   with tf.Graph().as_default():
-    loss, model = conftest.model_loss(
-        tf.ones([2, conftest.INPUT_DIM]), tf.ones([2, conftest.OUTPUT_DIM]))
-    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+    loss, model = models.model_loss(
+        tf.ones([2, models.INPUT_DIM]), tf.ones([2, models.OUTPUT_DIM]))
+    optimizer = deferred_grad.GradientAggregationOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.1), GRAD_STEPS)
     optimizer.minimize(loss)
     for name, variable in sorted(model.items()):

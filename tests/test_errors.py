@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
+import deferred_grad
+import models
 from deferred_grad import compat
 
-GradientAggregationOptimizer = conftest.deferred_grad.GradientAggregationOptimizer
+GradientAggregationOptimizer = deferred_grad.GradientAggregationOptimizer
 
 
 def _sgd():
@@ -59,7 +60,7 @@ def test_flags_must_be_bool(argument):
 
 def test_applied_updates_checks_grad_steps():
   with pytest.raises(ValueError, match='grad_steps'):
-    conftest.deferred_grad.applied_updates(tf.constant(3), 0)
+    deferred_grad.applied_updates(tf.constant(3), 0)
 
 
 def _variables():
@@ -145,7 +146,7 @@ def test_numerics_keywords(kwargs, error, message):
 
 def test_accumulator_dtype_needs_a_known_shape():
   with tf.Graph().as_default():
-    v = conftest.unknown_shape_variable([1.0, 2.0])
+    v = models.unknown_shape_variable([1.0, 2.0])
     optimizer = GradientAggregationOptimizer(
         _sgd(), 2, accumulator_dtype=tf.float64)
     with pytest.raises(ValueError, match='accumulator_dtype=float64 needs '

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import make_data
+import deferred_grad
+import models
+import training
+from models import make_data
 
 pytestmark = pytest.mark.skipif(
     not hasattr(tf.compat.v1, 'estimator'),
@@ -36,22 +38,22 @@ def _input_fn(examples, batch_size, skip_batches=0):
 
 def _train_op(loss, params):
   """The wrapper (if params['grad_steps']) around a Momentum optimizer."""
-  optimizer = conftest.OPTIMIZERS['Momentum'](None)
+  optimizer = models.OPTIMIZERS['Momentum'](None)
   if params['grad_steps']:
-    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+    optimizer = deferred_grad.GradientAggregationOptimizer(
         optimizer, params['grad_steps'], use_tpu=params['use_tpu'])
   return optimizer.minimize(
       loss, global_step=tf.compat.v1.train.get_global_step())
 
 
 def _model_fn(features, labels, mode, params):
-  loss, _ = conftest.model_loss(features, labels)
+  loss, _ = models.model_loss(features, labels)
   return tf.compat.v1.estimator.EstimatorSpec(
       mode, loss=loss, train_op=_train_op(loss, params))
 
 
 def _tpu_model_fn(features, labels, mode, params):
-  loss, _ = conftest.model_loss(features, labels)
+  loss, _ = models.model_loss(features, labels)
   return tf.compat.v1.estimator.tpu.TPUEstimatorSpec(
       mode, loss=loss, train_op=_train_op(loss, params))
 
@@ -85,17 +87,17 @@ def _large_batch_weights(tmp_path, batch_size):
 
 def test_estimator_matches_large_batch(tmp_path, use_tpu):
   expected, examples = _large_batch_weights(
-      tmp_path, GRAD_STEPS * conftest.MICRO_BATCH)
+      tmp_path, GRAD_STEPS * models.MICRO_BATCH)
   estimator = _estimator(str(tmp_path / 'micro'), GRAD_STEPS, use_tpu)
   estimator.train(
-      _input_fn(examples, conftest.MICRO_BATCH), max_steps=CYCLES * GRAD_STEPS)
+      _input_fn(examples, models.MICRO_BATCH), max_steps=CYCLES * GRAD_STEPS)
   assert estimator.get_variable_value('global_step') == CYCLES * GRAD_STEPS
-  conftest.assert_same_training([_weights(estimator)], [expected])
+  training.assert_same_training([_weights(estimator)], [expected])
 
 
 def test_tpu_estimator_on_cpu_matches_large_batch(tmp_path, use_tpu):
   expected, examples = _large_batch_weights(
-      tmp_path, GRAD_STEPS * conftest.MICRO_BATCH)
+      tmp_path, GRAD_STEPS * models.MICRO_BATCH)
   tpu = tf.compat.v1.estimator.tpu
   estimator = tpu.TPUEstimator(
       _tpu_model_fn,
@@ -104,13 +106,13 @@ def test_tpu_estimator_on_cpu_matches_large_batch(tmp_path, use_tpu):
           save_summary_steps=None,
           log_step_count_steps=10**6,
           tpu_config=tpu.TPUConfig(iterations_per_loop=1)),
-      train_batch_size=conftest.MICRO_BATCH,
+      train_batch_size=models.MICRO_BATCH,
       use_tpu=False,
       params={'grad_steps': GRAD_STEPS, 'use_tpu': use_tpu})
   estimator.train(
-      _input_fn(examples, conftest.MICRO_BATCH), max_steps=CYCLES * GRAD_STEPS)
+      _input_fn(examples, models.MICRO_BATCH), max_steps=CYCLES * GRAD_STEPS)
   assert estimator.get_variable_value('global_step') == CYCLES * GRAD_STEPS
-  conftest.assert_same_training([_weights(estimator)], [expected])
+  training.assert_same_training([_weights(estimator)], [expected])
 
 
 def test_estimator_mirrored_strategy_matches_large_batch(tmp_path):
@@ -122,35 +124,35 @@ def test_estimator_mirrored_strategy_matches_large_batch(tmp_path):
   """
   replicas = 2
   expected, examples = _large_batch_weights(
-      tmp_path, replicas * GRAD_STEPS * conftest.MICRO_BATCH)
+      tmp_path, replicas * GRAD_STEPS * models.MICRO_BATCH)
   strategy = tf.distribute.MirroredStrategy(
       ['/cpu:0', '/cpu:1'],
       cross_device_ops=tf.distribute.ReductionToOneDevice())
   estimator = _estimator(
       str(tmp_path / 'mirrored'), GRAD_STEPS, train_distribute=strategy)
   estimator.train(
-      _input_fn(examples, conftest.MICRO_BATCH), max_steps=CYCLES * GRAD_STEPS)
+      _input_fn(examples, models.MICRO_BATCH), max_steps=CYCLES * GRAD_STEPS)
   assert estimator.get_variable_value('global_step') == CYCLES * GRAD_STEPS
-  conftest.assert_same_training([_weights(estimator)], [expected])
+  training.assert_same_training([_weights(estimator)], [expected])
 
 
 def test_resume_mid_cycle_equals_uninterrupted(tmp_path, use_tpu):
   total = CYCLES * GRAD_STEPS
   stop = GRAD_STEPS + 1  # one micro-step into the second cycle
-  examples = _examples(total, conftest.MICRO_BATCH)
+  examples = _examples(total, models.MICRO_BATCH)
   uninterrupted = _estimator(str(tmp_path / 'whole'), GRAD_STEPS, use_tpu)
   uninterrupted.train(
-      _input_fn(examples, conftest.MICRO_BATCH), max_steps=total)
+      _input_fn(examples, models.MICRO_BATCH), max_steps=total)
 
   model_dir = str(tmp_path / 'resumed')
   first = _estimator(model_dir, GRAD_STEPS, use_tpu)
-  first.train(_input_fn(examples, conftest.MICRO_BATCH), max_steps=stop)
+  first.train(_input_fn(examples, models.MICRO_BATCH), max_steps=stop)
   accumulator = first.get_variable_value('w1/GradientAccumulator')
   assert np.any(accumulator != 0)  # the checkpoint holds half a cycle
   second = _estimator(model_dir, GRAD_STEPS, use_tpu)
   second.train(
-      _input_fn(examples, conftest.MICRO_BATCH, skip_batches=stop),
+      _input_fn(examples, models.MICRO_BATCH, skip_batches=stop),
       max_steps=total)
   assert second.get_variable_value('global_step') == total
-  conftest.assert_same_training([_weights(second)], [_weights(uninterrupted)],
+  training.assert_same_training([_weights(second)], [_weights(uninterrupted)],
                                 rtol=0, atol=0)

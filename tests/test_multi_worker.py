@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import assert_same_training
-from conftest import make_data
-from conftest import train
+import models
+from models import make_data
+from training import assert_same_training
+from training import train
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       'multi_worker_worker.py')
@@ -74,8 +74,8 @@ def _run_workers(tmp_path, mode, delays):
 
 
 def _large_batch():
-  data = make_data(conftest.CYCLES, WORKERS * GRAD_STEPS * conftest.MICRO_BATCH)
-  expected, _, _ = train(conftest.OPTIMIZERS['Momentum'], data)
+  data = make_data(models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
+  expected, _, _ = train(models.OPTIMIZERS['Momentum'], data)
   return expected[-1]
 
 
@@ -95,7 +95,7 @@ def test_collectives_run_only_on_apply_steps(tmp_path):
   """Accumulate-only micro-steps send nothing between workers."""
   for weights in _run_workers(tmp_path, 'session', [0, 0]):
     counts = weights['collectives']
-    assert len(counts) == conftest.CYCLES * GRAD_STEPS
+    assert len(counts) == models.CYCLES * GRAD_STEPS
     apply_steps = np.arange(len(counts)) % GRAD_STEPS == GRAD_STEPS - 1
     assert np.all(counts[~apply_steps] == 0), counts
     # The gradient all-reduce of the model's 4 variables (possibly packed).
@@ -112,6 +112,6 @@ def test_estimator_train_and_evaluate_trains_like_one_large_batch(tmp_path):
     weights.pop('collectives')
     assert_same_training([weights], [expected])
   checkpoint = tf.train.load_checkpoint(str(tmp_path / 'model'))
-  assert checkpoint.get_tensor('global_step') == conftest.CYCLES * GRAD_STEPS
+  assert checkpoint.get_tensor('global_step') == models.CYCLES * GRAD_STEPS
   assert_same_training(
       [{name: checkpoint.get_tensor(name) for name in expected}], [expected])

@@ -6,12 +6,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import assert_same_training
-from conftest import make_data
-from conftest import MirroredTrainer
-from conftest import train
-from conftest import Trainer
+import deferred_grad
+import models
+import scripts
+import training
+from models import make_data
+from training import assert_same_training
+from training import MirroredTrainer
+from training import train
+from training import Trainer
 
 GRAD_STEPS = 4
 LEARNING_RATE = 0.1
@@ -22,24 +25,24 @@ CYCLES = 4  # the last one is clean
 
 
 def _poisoned_data():
-  x, y, poison = conftest.make_linear_data(
-      CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  x, y, poison = models.make_linear_data(
+      CYCLES, GRAD_STEPS * models.MICRO_BATCH)
   for (cycle, step), value in BAD.items():
-    poison[cycle, step * conftest.MICRO_BATCH] = value
+    poison[cycle, step * models.MICRO_BATCH] = value
   return x, y, poison
 
 
 def _by_hand(data, policy):
   """Weights after each cycle, in float64 numpy, for SGD."""
-  w = conftest.LINEAR_INITIAL.astype(np.float64)
+  w = models.LINEAR_INITIAL.astype(np.float64)
   snapshots = []
   for cycle, (x, y, poison) in enumerate(zip(*data)):
     good = []
     for step in range(GRAD_STEPS):
-      rows = slice(step * conftest.MICRO_BATCH,
-                   (step + 1) * conftest.MICRO_BATCH)
+      rows = slice(step * models.MICRO_BATCH,
+                   (step + 1) * models.MICRO_BATCH)
       if (cycle, step) not in BAD:
-        good.append(conftest.linear_gradient(w, x[rows], y[rows],
+        good.append(models.linear_gradient(w, x[rows], y[rows],
                                              poison[rows]))
     if (policy == 'skip_micro_batch' and good) or len(good) == GRAD_STEPS:
       w = w - LEARNING_RATE * np.mean(good, axis=0)
@@ -80,14 +83,14 @@ def _loss_scale_optimizer(loss_scale):
   def make(step=None):
     del step
     return tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
-        conftest.deferred_grad.GradientAggregationOptimizer(
+        deferred_grad.GradientAggregationOptimizer(
             _sgd(), GRAD_STEPS), loss_scale)
   return make
 
 
 def test_loss_scale_outside_without_overflow_matches_large_batch():
-  data = conftest.make_linear_data(conftest.CYCLES,
-                                   GRAD_STEPS * conftest.MICRO_BATCH)
+  data = models.make_linear_data(models.CYCLES,
+                                   GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(_sgd, data, model='linear')
   trainer = Trainer(_loss_scale_optimizer(128.0), model='linear')
   trainer.micro_steps = GRAD_STEPS
@@ -102,8 +105,8 @@ def test_loss_scale_outside_skips_an_overflowing_micro_batch():
   It is neither accumulated nor counted, and the scale halves: the cycle
   of GRAD_STEPS is completed by the next good micro-batch.
   """
-  x, y, poison = conftest.make_linear_data(1, 5 * conftest.MICRO_BATCH)
-  x, y, poison = [part[0].reshape((5, conftest.MICRO_BATCH) + part.shape[2:])
+  x, y, poison = models.make_linear_data(1, 5 * models.MICRO_BATCH)
+  x, y, poison = [part[0].reshape((5, models.MICRO_BATCH) + part.shape[2:])
                   for part in (x, y, poison)]
   poison[1, 0] = np.inf
   trainer = Trainer(_loss_scale_optimizer('dynamic'), model='linear')
@@ -120,12 +123,12 @@ def test_loss_scale_outside_skips_an_overflowing_micro_batch():
     w = session.run(trainer.variables['w'])
     assert session.run(scale) == initial_scale / 2
   assert steps == [1, 1, 2, 3, 4]
-  expected = conftest.LINEAR_INITIAL.astype(np.float64)
-  gradients = [conftest.linear_gradient(expected, x[i], y[i], poison[i])
+  expected = models.LINEAR_INITIAL.astype(np.float64)
+  gradients = [models.linear_gradient(expected, x[i], y[i], poison[i])
                for i in [0, 2, 3, 4]]
   expected = expected - LEARNING_RATE * np.mean(gradients, axis=0)
-  np.testing.assert_allclose(w, expected, rtol=conftest.RTOL,
-                             atol=conftest.ATOL)
+  np.testing.assert_allclose(w, expected, rtol=training.RTOL,
+                             atol=training.ATOL)
 
 
 def test_float32_accumulator_for_half_precision_variables(use_tpu):
@@ -141,7 +144,7 @@ def test_float32_accumulator_for_half_precision_variables(use_tpu):
     with graph.as_default():
       w = tf.compat.v1.get_variable('w', initializer=np.zeros(8, np.float16))
       feed = tf.compat.v1.placeholder(tf.float16, [8])
-      optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+      optimizer = deferred_grad.GradientAggregationOptimizer(
           tf.compat.v1.train.GradientDescentOptimizer(1.0), micro_steps,
           use_tpu=use_tpu, accumulator_dtype=dtype)
       train_op = optimizer.apply_gradients([(feed, w)])
@@ -173,15 +176,15 @@ def _clip_pairs(grads_and_vars):
 
 
 # Large-batch Momentum that clips the large batch's gradient.
-_clipped_momentum = conftest.with_gradient_transform(
-    conftest.OPTIMIZERS['Momentum'], _clip_pairs)
+_clipped_momentum = models.with_gradient_transform(
+    models.OPTIMIZERS['Momentum'], _clip_pairs)
 
 
 def test_clip_norm_clips_the_accumulated_gradient(use_tpu):
-  data = make_data(conftest.CYCLES, GRAD_STEPS * conftest.MICRO_BATCH)
+  data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(_clipped_momentum, data)
-  unclipped, _, _ = train(conftest.OPTIMIZERS['Momentum'], data)
-  actual, _, _ = train(conftest.OPTIMIZERS['Momentum'], data,
+  unclipped, _, _ = train(models.OPTIMIZERS['Momentum'], data)
+  actual, _, _ = train(models.OPTIMIZERS['Momentum'], data,
                        grad_steps=GRAD_STEPS, use_tpu=use_tpu,
                        clip_norm=CLIP_NORM)
   assert_same_training(actual, expected)
@@ -192,13 +195,13 @@ def test_clip_norm_clips_the_accumulated_gradient(use_tpu):
 def test_clip_norm_under_mirrored_strategy_uses_the_global_norm():
   if not tf.compat.v1.control_flow_v2_enabled():
     with pytest.raises(ValueError, match='clip_norm with several replicas'):
-      MirroredTrainer(conftest.OPTIMIZERS['Momentum'], GRAD_STEPS,
+      MirroredTrainer(models.OPTIMIZERS['Momentum'], GRAD_STEPS,
                       clip_norm=CLIP_NORM)
     return
-  data = make_data(conftest.CYCLES,
-                   conftest.REPLICAS * GRAD_STEPS * conftest.MICRO_BATCH)
+  data = make_data(models.CYCLES,
+                   training.REPLICAS * GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(_clipped_momentum, data)
-  trainer = MirroredTrainer(conftest.OPTIMIZERS['Momentum'], GRAD_STEPS,
+  trainer = MirroredTrainer(models.OPTIMIZERS['Momentum'], GRAD_STEPS,
                             clip_norm=CLIP_NORM)
   with tf.compat.v1.Session(graph=trainer.graph) as session:
     session.run(trainer.init_op)
@@ -211,7 +214,7 @@ def test_policy_refuses_several_replicas():
     MirroredTrainer(_sgd, GRAD_STEPS, nonfinite_policy='skip_cycle')
 
 
-@conftest.run_once_per_version
+@scripts.run_once_per_version
 @pytest.mark.parametrize('mode', ['eager', 'tf.function'])
 def test_eager_and_tf_function_raise_at_the_first_call(mode, tmp_path):
   script = os.path.join(str(tmp_path), 'eager.py')
@@ -228,7 +231,7 @@ def test_eager_and_tf_function_raise_at_the_first_call(mode, tmp_path):
         'except Exception as e:  # pylint: disable=broad-except',
         '  print("RAISED %s:" % type(e).__name__, e)',
     ]))
-  output = conftest.run_tool(script)
+  output = scripts.run_tool(script)
   # (Inside tf.function, autograph prefixes the message with "in user code".)
   assert 'RAISED RuntimeError:' in output, output
   assert ('GradientAggregationOptimizer.apply_gradients needs TensorFlow 1 '

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import assert_same_training
-from conftest import make_data
-from conftest import train
+import deferred_grad
+import models
+from models import make_data
+from training import assert_same_training
+from training import train
 from deferred_grad import sharding
 
 PARTITIONS = 4
@@ -37,7 +38,7 @@ def _build(use_tpu, **wrapper_kwargs):
         for name, (shape, _) in sorted(SHAPES.items())
     ]
     loss = tf.add_n([tf.reduce_sum(tf.square(v)) for v in variables])
-    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+    optimizer = deferred_grad.GradientAggregationOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.1),
         2,
         use_tpu=use_tpu,
@@ -91,10 +92,10 @@ def test_split_dimension_rule():
 
 
 def test_sharded_training_matches_large_batch(use_tpu):
-  data = make_data(conftest.CYCLES, 2 * conftest.MICRO_BATCH)
-  expected, _, _ = train(conftest.OPTIMIZERS['Momentum'], data)
+  data = make_data(models.CYCLES, 2 * models.MICRO_BATCH)
+  expected, _, _ = train(models.OPTIMIZERS['Momentum'], data)
   actual, _, _ = train(
-      conftest.OPTIMIZERS['Momentum'],
+      models.OPTIMIZERS['Momentum'],
       data,
       grad_steps=2,
       use_tpu=use_tpu,
@@ -123,7 +124,7 @@ def test_cross_replica_sum_on_accumulated_gradients(use_tpu, grad_steps):
         for name in ['a', 'b', 'c']
     ]
     loss = tf.add_n([tf.reduce_sum(tf.square(v)) for v in variables])
-    optimizer = conftest.deferred_grad.GradientAggregationOptimizer(
+    optimizer = deferred_grad.GradientAggregationOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.1),
         grad_steps,
         apply_crs_to_grad=True,

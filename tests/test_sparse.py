@@ -10,24 +10,25 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import conftest
-from conftest import assert_same_training
-from conftest import make_embedding_data
-from conftest import MirroredTrainer
-from conftest import train
-from conftest import Trainer
+import models
+import training
+from models import make_embedding_data
+from training import assert_same_training
+from training import MirroredTrainer
+from training import train
+from training import Trainer
 from deferred_grad import sharding
 
 GRAD_STEPS = 3
 CYCLES = 4
 
 # Every tf.compat.v1.train optimizer with a sparse update.
-SPARSE_OPTIMIZERS = sorted(conftest.OPTIMIZERS)
+SPARSE_OPTIMIZERS = sorted(models.OPTIMIZERS)
 
 
 def _data(replicas=1):
   return make_embedding_data(CYCLES,
-                             replicas * GRAD_STEPS * conftest.MICRO_BATCH)
+                             replicas * GRAD_STEPS * models.MICRO_BATCH)
 
 
 def _spy_on_handoff(make_optimizer):
@@ -41,12 +42,12 @@ def _spy_on_handoff(make_optimizer):
     })
     return grads_and_vars
 
-  return conftest.with_gradient_transform(make_optimizer, record), received
+  return models.with_gradient_transform(make_optimizer, record), received
 
 
 @pytest.mark.parametrize('optimizer', SPARSE_OPTIMIZERS)
 def test_matches_large_batch(optimizer, use_tpu):
-  make_optimizer = conftest.OPTIMIZERS[optimizer]
+  make_optimizer = models.OPTIMIZERS[optimizer]
   data = _data()
   expected, _, _ = train(make_optimizer, data, model='embedding')
   spied, received = _spy_on_handoff(make_optimizer)
@@ -58,8 +59,8 @@ def test_matches_large_batch(optimizer, use_tpu):
 
 def test_untouched_rows_do_not_move():
   """Momentum leaves rows without gradient alone; so must the wrapper."""
-  x, y = make_embedding_data(1, GRAD_STEPS * conftest.MICRO_BATCH)
-  trainer = Trainer(conftest.OPTIMIZERS['Momentum'], GRAD_STEPS,
+  x, y = make_embedding_data(1, GRAD_STEPS * models.MICRO_BATCH)
+  trainer = Trainer(models.OPTIMIZERS['Momentum'], GRAD_STEPS,
                     model='embedding')
   with trainer.session() as session:
     trainer.run_cycle(session, x[0], y[0])
@@ -67,15 +68,15 @@ def test_untouched_rows_do_not_move():
     # a dense update, and would move again.
     session.run(trainer.variables['table'])
     before = session.run(trainer.variables['table'])
-    other_ids = np.full_like(x[0], conftest.TABLE_ROWS - 1)
+    other_ids = np.full_like(x[0], models.TABLE_ROWS - 1)
     trainer.run_cycle(session, other_ids, y[0])
     after = session.run(trainer.variables['table'])
   moved = np.any(after != before, axis=1)
-  assert list(np.flatnonzero(moved)) == [conftest.TABLE_ROWS - 1]
+  assert list(np.flatnonzero(moved)) == [models.TABLE_ROWS - 1]
 
 
 def test_micro_step_scatters_into_the_accumulator(use_tpu):
-  trainer = Trainer(conftest.OPTIMIZERS['Adagrad'], GRAD_STEPS,
+  trainer = Trainer(models.OPTIMIZERS['Adagrad'], GRAD_STEPS,
                     use_tpu=use_tpu, model='embedding')
   scatter_types = ('ResourceScatterAdd', 'ScatterAdd')
   dense_add_types = ('ResourceApplyGradientDescent', 'ApplyGradientDescent')
@@ -96,8 +97,8 @@ def test_micro_step_scatters_into_the_accumulator(use_tpu):
 
 def test_sparse_as_dense_is_the_original_dense_handoff(use_tpu):
   """sparse_as_dense=True trains like the large batch with a dense gradient."""
-  make_optimizer = conftest.OPTIMIZERS['Momentum']
-  densified = conftest.with_gradient_transform(
+  make_optimizer = models.OPTIMIZERS['Momentum']
+  densified = models.with_gradient_transform(
       make_optimizer,
       lambda pairs: [(tf.convert_to_tensor(g), v) for g, v in pairs])
 
@@ -116,7 +117,7 @@ def test_sparse_as_dense_is_the_original_dense_handoff(use_tpu):
 
 @pytest.mark.parametrize('optimizer', ['Momentum', 'Adagrad', 'Ftrl'])
 def test_partitioned_table(optimizer, use_tpu):
-  make_optimizer = conftest.OPTIMIZERS[optimizer]
+  make_optimizer = models.OPTIMIZERS[optimizer]
   data = _data()
   model_kwargs = {'partitions': 3}
   expected, _, _ = train(make_optimizer, data, model='embedding',
@@ -134,8 +135,8 @@ def test_partitioned_table(optimizer, use_tpu):
 @pytest.mark.parametrize('use_global_step', [True, False])
 @pytest.mark.parametrize('optimizer', ['Momentum', 'RMSPropCentered'])
 def test_mirrored_strategy(optimizer, use_global_step):
-  make_optimizer = conftest.OPTIMIZERS[optimizer]
-  data = _data(conftest.REPLICAS)
+  make_optimizer = models.OPTIMIZERS[optimizer]
+  data = _data(training.REPLICAS)
   expected, _, _ = train(make_optimizer, data, model='embedding')
   trainer = MirroredTrainer(make_optimizer, GRAD_STEPS, use_global_step,
                             model='embedding')
@@ -147,7 +148,7 @@ def test_mirrored_strategy(optimizer, use_global_step):
 
 def test_sharded_table_accumulator(use_tpu):
   partitions = 2
-  make_optimizer = conftest.OPTIMIZERS['Momentum']
+  make_optimizer = models.OPTIMIZERS['Momentum']
   data = _data()
   expected, _, _ = train(make_optimizer, data, model='embedding')
   actual, _, graph = train(

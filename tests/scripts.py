@@ -1,0 +1,42 @@
+"""Running the scripts under tools/ from the tests."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import behavior
+
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                     'tools')
+
+# Scripts under tools/ set their own TensorFlow behaviour: run them once per
+# TensorFlow version, in the v2 pass of the test runner.
+run_once_per_version = pytest.mark.skipif(
+    behavior.BEHAVIOR != 'v2',
+    reason='runs a tools/ script, which sets its own TF behaviour: once per '
+    'TensorFlow version, in the v2 pass')
+
+
+def run_tool(script, *args):
+  """Runs a Python script under tools/; returns its combined output.
+
+  Fails the test if the script exits non-zero.
+  """
+  result = subprocess.run(
+      [sys.executable, os.path.join(TOOLS, script)] + list(args),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      universal_newlines=True,
+      timeout=300)
+  assert result.returncode == 0, result.stdout
+  return result.stdout
+
+
+def loss_decrease(output):
+  """(first, last) from an example's 'loss went from A to B' line."""
+  match = re.search(r'loss went from ([\d.]+) to ([\d.]+)', output)
+  assert match, output
+  return float(match.group(1)), float(match.group(2))

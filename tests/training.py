@@ -1,0 +1,171 @@
+"""Training loops: a model trained through the wrapper or the bare optimizer.
+
+`Trainer` builds a graph for one model and optimizer, and `train` runs it over
+whole cycles of data; `MirroredTrainer` does the same under MirroredStrategy
+over two logical CPUs. `assert_same_training` compares per-cycle weights.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import behavior  # pylint: disable=unused-import
+import deferred_grad
+from models import MODELS
+
+# Errors of float32 round-off between summing micro-batch means and taking
+# one large-batch mean; measured differences are below 1e-6.
+RTOL, ATOL = 1e-5, 1e-6
+
+class Trainer(object):
+  """Builds the model and its training op in a graph of its own.
+
+  Args:
+    make_optimizer: factory taking the step tensor (see OPTIMIZERS).
+    grad_steps: None trains with the bare optimizer; else with the wrapper.
+    use_global_step: pass a global step to `minimize`.
+    step_tensor: what `make_optimizer` receives: 'auto' is the global step for
+      the bare optimizer and `applied_updates` for the wrapper; 'global_step'
+      is the global step in both cases; None is None.
+    model: a key of MODELS.
+    model_kwargs: passed to the model's loss function (e.g. with_unused for
+      the MLP, partitions for the embedding model).
+    device: device (or device function) to build the graph under.
+    **wrapper_kwargs: passed to `GradientAggregationOptimizer`.
+  """
+
+  def __init__(self,
+               make_optimizer,
+               grad_steps=None,
+               use_global_step=True,
+               step_tensor='auto',
+               model='mlp',
+               model_kwargs=None,
+               device=None,
+               **wrapper_kwargs):
+    self.micro_steps = 1 if grad_steps is None else grad_steps
+    self.graph = tf.Graph()
+    with self.graph.as_default(), self.graph.device(device):
+      self.global_step = tf.compat.v1.train.get_or_create_global_step()
+      _, input_specs, loss_fn = MODELS[model]
+      self.inputs = [
+          tf.compat.v1.placeholder(dtype, shape)
+          for dtype, shape in input_specs
+      ]
+      loss, self.variables = loss_fn(*self.inputs, **(model_kwargs or {}))
+      if step_tensor == 'auto' and grad_steps is not None:
+        step_tensor = deferred_grad.applied_updates(self.global_step,
+                                                    grad_steps)
+      elif step_tensor in ('auto', 'global_step'):
+        step_tensor = self.global_step
+      self.optimizer = make_optimizer(step_tensor)
+      if grad_steps is not None:
+        self.optimizer = deferred_grad.GradientAggregationOptimizer(
+            self.optimizer, grad_steps, **wrapper_kwargs)
+      self.train_op = self.optimizer.minimize(
+          loss, global_step=self.global_step if use_global_step else None)
+      self.init_op = tf.compat.v1.global_variables_initializer()
+
+  def session(self):
+    session = tf.compat.v1.Session(graph=self.graph)
+    session.run(self.init_op)
+    return session
+
+  def micro_step(self, session, *batch):
+    session.run(self.train_op, dict(zip(self.inputs, batch)))
+
+  def run_cycle(self, session, *batch):
+    """Runs one cycle on a large batch split into `micro_steps` parts."""
+    micro_batch = len(batch[0]) // self.micro_steps
+    for k in range(self.micro_steps):
+      rows = slice(k * micro_batch, (k + 1) * micro_batch)
+      self.micro_step(session, *[part[rows] for part in batch])
+
+  def run(self, session, data):
+    """Trains on every cycle of `data`; returns the weights after each."""
+    snapshots = []
+    for batch in zip(*data):
+      self.run_cycle(session, *batch)
+      snapshots.append(session.run(self.variables))
+    return snapshots
+
+
+REPLICAS = 2
+
+
+class MirroredTrainer(Trainer):
+  """The wrapper under MirroredStrategy over two logical CPU devices.
+
+  Each micro-batch is split between the replicas; each replica's loss is its
+  mean divided by the replica count, so that the optimizer's all-reduce (a
+  sum) gives the mean over the whole micro-batch.
+  """
+
+  def __init__(self, make_optimizer, grad_steps, use_global_step=True,
+               model='mlp', model_kwargs=None, **wrapper_kwargs):
+    # pylint: disable=super-init-not-called
+    self.micro_steps = grad_steps
+    self.graph = tf.Graph()
+    with self.graph.as_default():
+      self.strategy = tf.distribute.MirroredStrategy(
+          ['/cpu:%d' % i for i in range(REPLICAS)])
+      _, input_specs, loss_fn = MODELS[model]
+      with self.strategy.scope():
+        self.global_step = tf.compat.v1.train.get_or_create_global_step()
+        # [replica, rows, ...]: replica r reads its own slice.
+        self.inputs = [
+            tf.compat.v1.placeholder(dtype, [REPLICAS] + shape)
+            for dtype, shape in input_specs
+        ]
+        self.optimizer = deferred_grad.GradientAggregationOptimizer(
+            make_optimizer(None), grad_steps, **wrapper_kwargs)
+        self.variables = {}
+
+        def replica_step():
+          replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+          loss, variables = loss_fn(
+              *[tf.gather(part, replica) for part in self.inputs],
+              **(model_kwargs or {}))
+          self.variables.update(variables)
+          return self.optimizer.minimize(
+              loss / REPLICAS,
+              global_step=self.global_step if use_global_step else None)
+
+        self.train_op = self.strategy.group(
+            self.strategy.extended.call_for_each_replica(replica_step))
+      self.init_op = tf.compat.v1.global_variables_initializer()
+
+  def split(self, batch):
+    return batch.reshape((REPLICAS, -1) + batch.shape[1:])
+
+  def micro_step(self, session, *batch):
+    super(MirroredTrainer, self).micro_step(
+        session, *[self.split(part) for part in batch])
+
+
+def train(make_optimizer, data, grad_steps=None, **kwargs):
+  """Trains a fresh model on `data` (see `Trainer` for the arguments).
+
+  Returns:
+    (snapshots, final global step, graph): one dict of variable name -> value
+    per cycle.
+  """
+  trainer = Trainer(make_optimizer, grad_steps, **kwargs)
+  with trainer.session() as session:
+    snapshots = trainer.run(session, data)
+    final_step = session.run(trainer.global_step)
+  return snapshots, final_step, trainer.graph
+
+
+def assert_same_training(actual, expected, rtol=RTOL, atol=ATOL):
+  """Asserts two lists of per-cycle weight snapshots are equal."""
+  assert len(actual) == len(expected)
+  for cycle, (got, want) in enumerate(zip(actual, expected)):
+    assert sorted(got) == sorted(want)
+    for name in want:
+      np.testing.assert_allclose(
+          got[name], want[name], rtol=rtol, atol=atol,
+          err_msg='variable %s after cycle %d' % (name, cycle))
+
+
+def assert_weights_moved(before, after):
+  assert any(not np.array_equal(before[n], after[n]) for n in before)

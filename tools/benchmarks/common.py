@@ -1,0 +1,161 @@
+"""What the benchmark suites share: flags, timing, tables, models, children."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('rounds', 15, 'Interleaved timing rounds per variant.')
+flags.DEFINE_integer('steps_per_round', 10, 'Timed steps per round.')
+flags.DEFINE_integer('grad_steps', 8, 'K, micro-batches per update.')
+
+ENTRY_POINT = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), 'benchmark.py')
+
+
+def import_tf():
+  """TensorFlow in graph mode (`disable_eager_execution`), quietly."""
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.compat.v1.disable_eager_execution()
+  return tf
+
+
+def median(values):
+  values = sorted(values)
+  middle = len(values) // 2
+  if len(values) % 2:
+    return values[middle]
+  return (values[middle - 1] + values[middle]) / 2
+
+
+def time_interleaved(variants, rounds=None, steps=None):
+  """Median seconds per call of each variant, measured in interleaved rounds.
+
+  Args:
+    variants: dict name -> zero-argument callable running one step.
+    rounds, steps: rounds, and calls timed per round (default: the flags).
+
+  Returns:
+    dict name -> median over rounds of the mean seconds per call.
+  """
+  rounds = rounds or FLAGS.rounds
+  steps = steps or FLAGS.steps_per_round
+  for run_step in variants.values():  # warm-up
+    for _ in range(steps):
+      run_step()
+  per_round = {name: [] for name in variants}
+  for _ in range(rounds):
+    for name, run_step in variants.items():
+      start = time.perf_counter()
+      for _ in range(steps):
+        run_step()
+      per_round[name].append((time.perf_counter() - start) / steps)
+  return {name: median(times) for name, times in per_round.items()}
+
+
+def markdown(header, rows):
+  """A Markdown table; every column but the first is right-aligned."""
+  lines = ['| ' + ' | '.join(header) + ' |',
+           '|' + '|'.join('---:' if i else '---' for i in range(len(header)))
+           + '|']
+  lines += ['| ' + ' | '.join(str(cell) for cell in row) + ' |' for row in rows]
+  return '\n'.join(lines)
+
+
+def child_command(suite, spec, *extra_flags):
+  """The command line that runs `suite`'s `child(spec)` in a new process."""
+  return [sys.executable, ENTRY_POINT, '--child=%s:%s' % (suite, spec)
+         ] + list(extra_flags)
+
+
+def run_child(suite, spec, *extra_flags):
+  """Runs `suite`'s `child(spec)` in a fresh process; returns its JSON line."""
+  output = subprocess.run(
+      child_command(suite, spec, *extra_flags), check=True,
+      stdout=subprocess.PIPE, universal_newlines=True).stdout
+  return json.loads(output.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ models --
+
+def mlp_loss(tf, batch, widths, seed=0):
+  """A tanh MLP on a fixed random batch; returns (loss, parameter count)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(seed)
+  x = tf.constant(rng.randn(batch, widths[0]).astype(np.float32))
+  hidden = x
+  parameters = 0
+  for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+    w = tf.compat.v1.get_variable(
+        'w%d' % i, [fan_in, fan_out],
+        initializer=tf.compat.v1.glorot_uniform_initializer(seed=i))
+    b = tf.compat.v1.get_variable('b%d' % i, [fan_out],
+                                  initializer=tf.compat.v1.zeros_initializer())
+    hidden = tf.tanh(tf.matmul(hidden, w) + b)
+    parameters += fan_in * fan_out + fan_out
+  return tf.reduce_mean(tf.square(hidden)), parameters
+
+
+def conv_loss(tf, batch, seed=0):
+  """The demo's conv net on a fixed random batch: activation-heavy."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(seed)
+  images = tf.constant(rng.randn(batch, 28, 28, 1).astype(np.float32))
+  labels = tf.constant(rng.randint(0, 10, size=batch).astype(np.int64))
+  init = tf.compat.v1.glorot_uniform_initializer(seed=seed)
+  shapes = {'conv1': [5, 5, 1, 32], 'conv2': [3, 3, 32, 32],
+            'dense': [7 * 7 * 32, 10]}
+  weights = {name: tf.compat.v1.get_variable(name, shape, initializer=init)
+             for name, shape in shapes.items()}
+  net = tf.nn.relu(tf.nn.conv2d(images, weights['conv1'], 1, 'SAME'))
+  net = tf.nn.max_pool2d(net, 2, 2, 'SAME')
+  net = tf.nn.relu(tf.nn.conv2d(net, weights['conv2'], 1, 'SAME'))
+  net = tf.nn.max_pool2d(net, 2, 2, 'SAME')
+  logits = tf.matmul(tf.reshape(net, [-1, 7 * 7 * 32]), weights['dense'])
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits))
+  return loss, sum(int(np.prod(s)) for s in shapes.values())
+
+
+OPTIMIZERS = {
+    'SGD': lambda tf: tf.compat.v1.train.GradientDescentOptimizer(0.01),
+    'Adam': lambda tf: tf.compat.v1.train.AdamOptimizer(0.001),
+}
+
+
+def training_session(tf, build_loss, batch, optimizer, grad_steps):
+  """A session and its train op; grad_steps None means the bare optimizer.
+
+  Returns:
+    (session, train op, parameter count).
+  """
+  import deferred_grad  # pylint: disable=g-import-not-at-top
+  graph = tf.Graph()
+  with graph.as_default():
+    loss, parameters = build_loss(tf, batch)
+    opt = OPTIMIZERS[optimizer](tf)
+    if grad_steps is not None:
+      opt = deferred_grad.GradientAggregationOptimizer(opt, grad_steps)
+    train_op = opt.minimize(
+        loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+    session = tf.compat.v1.Session(graph=graph)
+    session.run(tf.compat.v1.global_variables_initializer())
+  return session, train_op, parameters
+
+
+def free_ports(count):
+  """`count` free TCP ports on 127.0.0.1."""
+  import socket  # pylint: disable=g-import-not-at-top
+  sockets = [socket.socket() for _ in range(count)]
+  try:
+    for s in sockets:
+      s.bind(('127.0.0.1', 0))
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()

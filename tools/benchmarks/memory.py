@@ -1,0 +1,115 @@
+"""Suite `memory`: peak memory of one large batch against K micro-batches.
+
+Effective batch B as one batch (bare optimizer) and as K micro-batches
+(wrapper), and a bare micro-batch step, each in its own process: peak RSS
+and TensorFlow's allocator peak during a traced cycle. The wrapper's extra
+memory over the bare micro-batch step is given in parameter bytes.
+"""
+
+import json
+
+from benchmarks import common
+
+import peak_memory  # tools/peak_memory.py
+
+FLAGS = common.FLAGS
+
+# name -> (description, loss builder taking (tf, batch), effective batch)
+MODELS = {
+    'conv': ('conv net (activation-heavy)', common.conv_loss, 4096),
+    'wide': ('1024-4096-4096-4096 MLP (parameter-heavy)',
+             lambda tf, b: common.mlp_loss(tf, b, [1024, 4096, 4096, 4096]),
+             4096),
+}
+
+
+def child(spec):
+  """Runs one configuration 'model,optimizer,batch,grad_steps|none'."""
+  model, optimizer, batch, grad_steps = spec.split(',')
+  grad_steps = None if grad_steps == 'none' else int(grad_steps)
+  tf = common.import_tf()
+  _, build_loss, _ = MODELS[model]
+  session, train_op, parameters = common.training_session(
+      tf, build_loss, int(batch), optimizer, grad_steps)
+  for _ in range(grad_steps or 1):  # a cycle of warm-up
+    session.run(train_op)
+  # A traced cycle: TensorFlow's own allocator peak, beside the process RSS,
+  # which also counts what malloc keeps after TensorFlow frees it.
+  allocator_peak = 0
+  for _ in range(grad_steps or 1):
+    metadata = tf.compat.v1.RunMetadata()
+    session.run(train_op,
+                options=tf.compat.v1.RunOptions(
+                    trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                run_metadata=metadata)
+    for device in metadata.step_stats.dev_stats:
+      for node in device.node_stats:
+        for memory in node.memory:
+          allocator_peak = max(allocator_peak, memory.peak_bytes,
+                               memory.allocator_bytes_in_use)
+  print(json.dumps({
+      'peak_rss_mb': peak_memory.peak_rss_mb(),
+      'allocator_peak_mb': allocator_peak / 2**20,
+      'parameter_mb': parameters * 4 / 2**20,
+  }))
+
+
+def _measure(model, optimizer, batch, grad_steps, repeats=2):
+  """Least peaks over `repeats` fresh processes."""
+  peaks = [common.run_child('memory', '%s,%s,%d,%s' % (
+      model, optimizer, batch, grad_steps or 'none')) for _ in range(repeats)]
+  return {key: min(p[key] for p in peaks) for key in peaks[0]}
+
+
+def run():
+  grad_steps = FLAGS.grad_steps
+  results = []
+  rows = []
+  for model, (description, _, batch) in MODELS.items():
+    optimizer = 'SGD'
+    micro_batch = batch // grad_steps
+    large = _measure(model, optimizer, batch, None)
+    bare_micro = _measure(model, optimizer, micro_batch, None)
+    wrapper = _measure(model, optimizer, micro_batch, grad_steps)
+    parameter_mb = large['parameter_mb']
+    result = {
+        'model': description, 'optimizer': optimizer, 'batch': batch,
+        'grad_steps': grad_steps, 'parameter_mb': parameter_mb,
+        'large_batch_mb': large['peak_rss_mb'],
+        'bare_micro_batch_mb': bare_micro['peak_rss_mb'],
+        'wrapper_mb': wrapper['peak_rss_mb'],
+    }
+    result['wrapper_over_large'] = (result['wrapper_mb'] /
+                                    result['large_batch_mb'])
+    result['extra_mb'] = (result['wrapper_mb'] -
+                          result['bare_micro_batch_mb'])
+    result['extra_parameter_bytes'] = result['extra_mb'] / parameter_mb
+    for name, measured in [('large_batch', large),
+                           ('bare_micro_batch', bare_micro),
+                           ('wrapper', wrapper)]:
+      result[name + '_allocator_mb'] = measured['allocator_peak_mb']
+    result['allocator_extra_parameter_bytes'] = (
+        (result['wrapper_allocator_mb'] -
+         result['bare_micro_batch_allocator_mb']) / parameter_mb)
+    results.append(result)
+    print('memory: %s' % result, flush=True)
+    rows.append([
+        description, '%.1f' % parameter_mb,
+        '%.0f / %.0f' % (result['large_batch_mb'],
+                         result['large_batch_allocator_mb']),
+        '%.0f / %.0f' % (result['bare_micro_batch_mb'],
+                         result['bare_micro_batch_allocator_mb']),
+        '%.0f / %.0f' % (result['wrapper_mb'], result['wrapper_allocator_mb']),
+        '%.2fx / %.2fx' % (result['wrapper_over_large'],
+                           result['wrapper_allocator_mb'] /
+                           result['large_batch_allocator_mb']),
+        '%+.0f MB = %.2fx / %.2fx' % (result['extra_mb'],
+                                      result['extra_parameter_bytes'],
+                                      result['allocator_extra_parameter_bytes'])
+    ])
+  table = common.markdown(
+      ['model (SGD, K=%d)' % grad_steps, 'parameters (MB)',
+       'one batch of B: RSS / TF (MB)', 'bare, batch B/K: RSS / TF (MB)',
+       'wrapper, K x B/K: RSS / TF (MB)', 'wrapper / one batch: RSS / TF',
+       'wrapper - bare B/K, in parameter bytes: RSS / TF'], rows)
+  return {'memory': results}, table
