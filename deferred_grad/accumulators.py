@@ -86,8 +86,11 @@ def create_slot(opt, variable, dtype):
       % (dtype.name, variable.name, variable.shape))
 
 
-class DenseAccumulator(object):
-  """Accumulates dense gradients in place.
+class _Accumulator(object):
+  """What the kinds share: the slot, and this replica's part of it.
+
+  Under a multi-replica strategy the slot is a distributed variable; each
+  replica adds into, reads and resets its own component (`local`).
 
   Args:
     slot: the accumulator variable.
@@ -97,6 +100,15 @@ class DenseAccumulator(object):
   def __init__(self, slot, grad_steps):
     self.slot = slot
     self._grad_steps = grad_steps
+
+  @property
+  def local(self):
+    """This replica's component of the slot (the slot itself without one)."""
+    return compat.local_variable(self.slot)
+
+
+class DenseAccumulator(_Accumulator):
+  """Accumulates dense gradients in place."""
 
   def _dense(self, gradient):
     if isinstance(gradient, tf.IndexedSlices):
@@ -117,7 +129,7 @@ class DenseAccumulator(object):
       The op.
     """
     gradient = self._dense(gradient)
-    variable = compat.local_variable(self.slot)
+    variable = self.local
     alpha = tf.constant(-1.0 / self._grad_steps,
                         dtype=variable.dtype.base_dtype)
     if compat.is_ref_variable(variable):
@@ -128,7 +140,7 @@ class DenseAccumulator(object):
 
   def read(self):
     """The cycle's accumulated gradient (a Tensor)."""
-    return self.slot.read_value()
+    return self.local.read_value()
 
   def reset(self, after, gradient=None):
     """Zeroes the accumulator once `after` has run; returns the op.
@@ -147,10 +159,10 @@ class DenseAccumulator(object):
       The op.
     """
     del gradient
+    local = self.local
     with tf.control_dependencies([after]):
-      return self.slot.assign(
-          run_time_zeros(tf.shape(self.slot), self.slot.dtype),
-          read_value=False)
+      return local.assign(run_time_zeros(tf.shape(local), local.dtype),
+                          read_value=False)
 
   # Dense resets are chained; see `reset_all`.
   chained_reset = True
@@ -171,12 +183,13 @@ class ShardedAccumulator(DenseAccumulator):
 
   def add(self, gradient):
     """accumulator = sharded(accumulator) + gradient / grad_steps."""
-    current = sharding.shard(self.slot.read_value(), self._num_partitions)
-    return self.slot.assign(
+    local = self.local
+    current = sharding.shard(local.read_value(), self._num_partitions)
+    return local.assign(
         current + self._dense(gradient) / self._grad_steps, read_value=False)
 
 
-class SparseAccumulator(object):
+class SparseAccumulator(_Accumulator):
   """Accumulates `tf.IndexedSlices` row by row.
 
   The rows touched in a cycle are not stored anywhere (the original's
@@ -193,8 +206,7 @@ class SparseAccumulator(object):
   chained_reset = False
 
   def __init__(self, slot, grad_steps, num_partitions=None):
-    self.slot = slot
-    self._grad_steps = grad_steps
+    super(SparseAccumulator, self).__init__(slot, grad_steps)
     self._num_partitions = num_partitions
 
   def add(self, gradient):
@@ -203,14 +215,14 @@ class SparseAccumulator(object):
     The cost does not grow with the table.
     """
     dtype = self.slot.dtype.base_dtype
-    return self.slot.scatter_add(
+    return self.local.scatter_add(
         tf.IndexedSlices(
             tf.cast(gradient.values, dtype) / self._grad_steps,
             gradient.indices))
 
   def read(self):
     """The accumulated gradient as IndexedSlices over its non-zero rows."""
-    value = sharding.shard(self.slot.read_value(), self._num_partitions)
+    value = sharding.shard(self.local.read_value(), self._num_partitions)
     nonzero = tf.not_equal(value, 0)
     if value.shape.rank > 1:
       nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
@@ -226,7 +238,7 @@ class SparseAccumulator(object):
     """
     dtype = self.slot.dtype.base_dtype
     with tf.control_dependencies([after]):
-      return self.slot.scatter_update(
+      return self.local.scatter_update(
           tf.IndexedSlices(tf.zeros_like(gradient.values, dtype),
                            gradient.indices))
 

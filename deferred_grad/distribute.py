@@ -4,6 +4,8 @@ from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
+import contextlib
+
 from deferred_grad import compat
 
 tf = compat.import_tensorflow()
@@ -47,20 +49,16 @@ def collective_barrier(strategy=None):
   return strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
 
 
-def check_replicas(replica_context, use_tpu, clip_norm, nonfinite_policy,
-                   apply_crs_to_grad):
-  """Refuses the contexts and replica counts the options cannot serve.
+def check_replicas(replica_context, use_tpu):
+  """Refuses the contexts the code paths cannot serve.
 
   Args:
     replica_context: `tf.distribute.get_replica_context()` where
       `apply_gradients` was called (None in a cross-replica context).
-    use_tpu, clip_norm, nonfinite_policy, apply_crs_to_grad: the wrapper's
-      keywords.
+    use_tpu: the wrapper's keyword.
 
   Raises:
     RuntimeError: the GPU path in a cross-replica context.
-    ValueError: `clip_norm` on several replicas under control flow v1, or a
-      `nonfinite_policy` on several replicas.
   """
   if not use_tpu and replica_context is None:
     raise RuntimeError(
@@ -68,19 +66,64 @@ def check_replicas(replica_context, use_tpu, clip_norm, nonfinite_policy,
         'replica context (e.g. inside '
         'strategy.extended.call_for_each_replica), not in a cross-replica '
         'context.')
-  replicas = replica_context.num_replicas_in_sync if replica_context else 1
-  if (clip_norm is not None and replicas > 1 and
-      not tf.compat.v1.control_flow_v2_enabled()):
-    # The cross-replica norm needs an all-reduce inside tf.cond, which
-    # fails with mirrored ref variables and control flow v1.
-    raise ValueError(
-        'clip_norm with several replicas needs control flow v2 and '
-        'resource variables (tf.compat.v1.disable_eager_execution(), not '
-        'disable_v2_behavior()).')
-  if nonfinite_policy and (apply_crs_to_grad or replicas > 1):
-    # Each replica would skip its own micro-batches, and replicas would
-    # disagree on what a cycle's mean is.
-    raise ValueError(
-        'nonfinite_policy=%r needs a single replica; this apply_gradients '
-        'runs on several (a multi-replica strategy or apply_crs_to_grad).'
-        % (nonfinite_policy,))
+
+
+def in_multi_worker_mode(strategy):
+  """True under a strategy whose replicas span several worker processes."""
+  in_multi_worker = getattr(strategy.extended, '_in_multi_worker_mode', None)
+  return bool(in_multi_worker and in_multi_worker())
+
+
+@contextlib.contextmanager
+def summed_on_save():
+  """Per-replica variables created inside are saved as their sum.
+
+  Under a multi-replica strategy each replica adds its own micro-batches into
+  its own accumulator, and what the apply step needs is their sum over
+  replicas. A mirrored variable would save replica 0's part only, so a job
+  stopped mid-cycle would resume with every replica holding replica 0's
+  part. Created inside this context, the accumulators (and the per-replica
+  counts of a cycle) are sync-on-read variables with SUM aggregation:
+  TensorFlow saves the sum over replicas under the variable's usual name,
+  and a restore gives each replica an equal share of it, which sums to the
+  same. Micro-steps still touch only their replica's own part.
+
+  Where the replicas span several workers, a save would be a collective that
+  only the saving worker (the chief) runs: there the variables stay mirrored
+  (see the README's Multi-worker section).
+
+  Yields:
+    Nothing.
+  """
+  strategy = tf.distribute.get_strategy()
+  if (strategy.num_replicas_in_sync == 1 or
+      in_multi_worker_mode(strategy)):
+    yield
+    return
+
+  def on_read_sum(next_creator, **kwargs):
+    kwargs['synchronization'] = tf.VariableSynchronization.ON_READ
+    kwargs['aggregation'] = tf.VariableAggregation.SUM
+    return next_creator(**kwargs)
+
+  with tf.compat.v1.variable_creator_scope(on_read_sum):
+    yield
+
+
+def sum_over_replicas(distribution, values_fn):
+  """Sums `values_fn()`'s scalars over all replicas, from cross-replica context.
+
+  One small all-reduce: the scalars travel as one vector.
+
+  Args:
+    distribution: the strategy (the `merge_call`'s first argument).
+    values_fn: called on each replica; returns a list of float32 scalars.
+
+  Returns:
+    The list of sums (in cross-replica context), or [] for no values.
+  """
+  per_replica = distribution.extended.call_for_each_replica(
+      lambda: tf.stack(values_fn()))
+  summed = distribution.reduce(tf.distribute.ReduceOp.SUM, per_replica,
+                               axis=None)
+  return tf.unstack(summed)

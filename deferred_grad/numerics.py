@@ -1,19 +1,19 @@
 """Numerics of the accumulated gradient: non-finite policies and clipping.
 
 A non-finite policy decides what a micro-batch whose gradient holds a NaN or
-an inf does. It is one object with the same small interface for every
-policy, called by the optimizer at two points (as optax keeps
+an inf does. It is one object per train op with the same small interface for
+every policy, called by the optimizer at two points (as optax keeps
 `skip_not_finite` pluggable):
 
-* `micro_step(gradients, accumulate)`: the micro-step's op; it calls
-  `accumulate()` to build the op that adds the micro-batch, and decides
-  whether that op runs.
-* `apply(gradients, apply_gradients)`: the apply step's op; it may rescale
-  the accumulated gradients and decides whether `apply_gradients(gradients)`
-  runs.
-* `reset(after)`: ops that start the next cycle's bookkeeping.
+* on every micro-step, `micro_step(gradients, accumulate)`: the op that
+  checks the micro-batch and runs `accumulate()` only for a good one;
+* on the apply step, `statistics()` (this replica's counts of the cycle,
+  which the optimizer sums over the replicas, once per cycle) and then
+  `decide(totals)`: whether to apply, and over how many micro-batches the
+  mean is; `count(totals, applied)` updates the totals of what was skipped,
+  and `reset()` starts the next cycle's counts on each replica.
 
-`policy(name)` returns the object for a `nonfinite_policy` keyword.
+`policy(name, grad_steps)` returns the object for a `nonfinite_policy`.
 """
 
 from __future__ import absolute_import
@@ -21,6 +21,8 @@ from __future__ import division
 from __future__ import print_function
 
 from deferred_grad import compat
+from deferred_grad import distribute
+from deferred_grad import variables
 
 tf = compat.import_tensorflow()
 
@@ -41,7 +43,10 @@ def map_values(gradient, fn):
 
 
 def all_finite(gradients):
-  """A boolean scalar: True if no gradient holds a NaN or an inf."""
+  """A boolean scalar: True if no gradient holds a NaN or an inf.
+
+  For an IndexedSlices, its values: the rows it touches.
+  """
   return tf.reduce_all(
       [tf.reduce_all(tf.math.is_finite(_values(g))) for g in gradients])
 
@@ -50,6 +55,7 @@ class KeepNonfinite(object):
   """`nonfinite_policy=None`, the original's: accumulate every micro-batch."""
 
   name = None
+  has_statistics = False  # whether the apply step needs `statistics()`
   skipped_micro_batches = None
   skipped_cycles = None
 
@@ -60,11 +66,23 @@ class KeepNonfinite(object):
     del gradients
     return accumulate()
 
-  def apply(self, gradients, apply_gradients):
-    return apply_gradients(gradients)
+  def statistics(self):
+    """This replica's counts of the cycle, to be summed over replicas."""
+    return []
 
-  def reset(self, after):
-    del after
+  def decide(self, totals, replicas):
+    """(apply now?, good micro-batches per replica) from the summed counts.
+
+    None for either means: always / all of them.
+    """
+    del totals, replicas
+    return None, None
+
+  def count(self, totals, applied):
+    del totals, applied
+    return []
+
+  def reset(self):
     return []
 
   def variables(self):
@@ -74,58 +92,67 @@ class KeepNonfinite(object):
 class _SkipNonfinite(KeepNonfinite):
   """Checks every micro-batch, adds only finite ones, and counts them.
 
-  Its variables (int64 scalars, saved in checkpoints):
-    good_micro_batches: finite micro-batches in the current cycle.
-    skipped_micro_batches, skipped_cycles: totals of what was skipped.
+  Its variables: on each replica, the current cycle's counts (float32, saved
+  as their sum over replicas, see `distribute.summed_on_save`):
+    good_micro_batches: finite micro-batches, added to the accumulators;
+    nonfinite_micro_batches: skipped ones;
+  and the totals (int64, the same on every replica), updated on apply steps:
+    skipped_micro_batches: micro-batches skipped, over all replicas;
+    skipped_cycles: cycles that applied nothing.
 
   Args:
     grad_steps: micro-steps per cycle.
   """
+
+  has_statistics = True
 
   def __init__(self, grad_steps):
     self._grad_steps = grad_steps
     self.good_micro_batches = None
 
   def create_variables(self):
-    if self.good_micro_batches is not None:
-      return
-    counter = lambda name: tf.compat.v1.get_variable(  # pylint: disable=g-long-lambda
-        name, shape=[], dtype=tf.int64,
-        initializer=tf.compat.v1.zeros_initializer(), trainable=False)
-    self.good_micro_batches = counter('good_micro_batches')
-    self.skipped_micro_batches = counter('skipped_micro_batches')
-    self.skipped_cycles = counter('skipped_cycles')
+    with distribute.summed_on_save():
+      self.good_micro_batches = variables.own_variable(
+          'good_micro_batches', tf.float32)
+      self.nonfinite_micro_batches = variables.own_variable(
+          'nonfinite_micro_batches', tf.float32)
+    total = lambda name: variables.own_variable(  # pylint: disable=g-long-lambda
+        name, tf.int64, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    self.skipped_micro_batches = total('skipped_micro_batches')
+    self.skipped_cycles = total('skipped_cycles')
 
   def micro_step(self, gradients, accumulate):
     finite = all_finite(gradients)
     added = compat.cond(finite, accumulate, tf.no_op)
+    good = tf.cast(finite, tf.float32)
     with tf.control_dependencies([added]):
       return tf.group(
-          self.good_micro_batches.assign_add(
-              tf.cast(finite, tf.int64), read_value=False),
-          self.skipped_micro_batches.assign_add(
-              1 - tf.cast(finite, tf.int64), read_value=False))
+          compat.local_variable(self.good_micro_batches).assign_add(
+              good, read_value=False),
+          compat.local_variable(self.nonfinite_micro_batches).assign_add(
+              1.0 - good, read_value=False))
 
-  def _decide(self, good, gradients):
-    """(apply now?, the gradients to apply) given the cycle's good count."""
-    raise NotImplementedError
+  def statistics(self):
+    return [compat.local_variable(v).read_value()
+            for v in (self.good_micro_batches, self.nonfinite_micro_batches)]
 
-  def apply(self, gradients, apply_gradients):
-    apply_now, gradients = self._decide(self.good_micro_batches.read_value(),
-                                        gradients)
-    return compat.cond(
-        apply_now, lambda: apply_gradients(gradients),
-        lambda: self.skipped_cycles.assign_add(1, read_value=False))
+  def count(self, totals, applied):
+    _, nonfinite = totals
+    return [
+        self.skipped_micro_batches.assign_add(
+            tf.cast(tf.round(nonfinite), tf.int64), read_value=False),
+        self.skipped_cycles.assign_add(
+            1 - tf.cast(applied, tf.int64), read_value=False)]
 
-  def reset(self, after):
-    with tf.control_dependencies([after]):
-      return [self.good_micro_batches.assign(0, read_value=False)]
+  def reset(self):
+    return [compat.local_variable(v).assign(0.0, read_value=False)
+            for v in (self.good_micro_batches, self.nonfinite_micro_batches)]
 
   def variables(self):
     if self.good_micro_batches is None:
       return []
-    return [self.good_micro_batches, self.skipped_micro_batches,
-            self.skipped_cycles]
+    return [self.good_micro_batches, self.nonfinite_micro_batches,
+            self.skipped_micro_batches, self.skipped_cycles]
 
 
 class SkipMicroBatch(_SkipNonfinite):
@@ -133,12 +160,10 @@ class SkipMicroBatch(_SkipNonfinite):
 
   name = 'skip_micro_batch'
 
-  def _decide(self, good, gradients):
-    # The accumulators hold sum / grad_steps over the good micro-batches.
-    scale = self._grad_steps / tf.maximum(good, 1)
-    gradients = [map_values(g, lambda x: x * tf.cast(scale, x.dtype))
-                 for g in gradients]
-    return good > 0, gradients
+  def decide(self, totals, replicas):
+    good, _ = totals
+    # Rounded: the counts are sums of float32 parts after a restore.
+    return tf.round(good) > 0, good / replicas
 
 
 class SkipCycle(_SkipNonfinite):
@@ -146,8 +171,10 @@ class SkipCycle(_SkipNonfinite):
 
   name = 'skip_cycle'
 
-  def _decide(self, good, gradients):
-    return tf.equal(good, self._grad_steps), gradients
+  def decide(self, totals, replicas):
+    del replicas
+    _, nonfinite = totals
+    return tf.equal(tf.round(nonfinite), 0), None
 
 
 def policy(name, grad_steps):
@@ -191,9 +218,12 @@ def clip_by_global_norm(gradients, clip_norm):
   replica_context = tf.distribute.get_replica_context()
   replicas = replica_context.num_replicas_in_sync
   if replicas > 1:
-    # identity: reads of ref variables (v1 behaviour) are ref tensors, which
-    # all_reduce would take for the variables themselves.
-    gradients = [tf.identity(tf.convert_to_tensor(g)) for g in gradients]
+    # stop_gradient: a replica context's all_reduce is differentiable, and in
+    # graph mode it walks back from its result through every replica's input
+    # to the variables; with ref variables (v1 behaviour) it reaches the
+    # mirrored components and fails ("Unsuccessful at finding variable").
+    # Nothing differentiates an accumulated gradient: the walk ends here.
+    gradients = [tf.stop_gradient(tf.convert_to_tensor(g)) for g in gradients]
     gradients = replica_context.all_reduce(tf.distribute.ReduceOp.SUM,
                                            gradients)
   clipped, _ = tf.clip_by_global_norm(gradients, clip_norm)

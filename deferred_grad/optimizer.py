@@ -13,6 +13,7 @@ from deferred_grad import compat
 from deferred_grad import distribute
 from deferred_grad import numerics
 from deferred_grad import steps
+from deferred_grad import variables as variables_lib
 
 tf = compat.import_tensorflow()
 
@@ -115,7 +116,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     self._use_tpu = arguments.check_bool(use_tpu, 'use_tpu')
     self._sparse_as_dense = arguments.check_bool(sparse_as_dense,
                                                  'sparse_as_dense')
-    self._policy = numerics.policy(nonfinite_policy, grad_steps)
+    numerics.policy(nonfinite_policy, grad_steps)  # checks the name
+    self._nonfinite_policy = nonfinite_policy
     self._accumulator_dtype = arguments.check_accumulator_dtype(
         accumulator_dtype)
     self._clip_norm = arguments.check_clip_norm(clip_norm)
@@ -127,7 +129,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         use_locking=False, name='GradientAggregationOptimizer')
     self._opt = opt
     self._grad_steps = grad_steps
-    self._counter = None
+    # (policy, update_count or None) of each train op this wrapper built.
+    self._train_ops = []
     self.strategy = tf.distribute.get_strategy()
 
   @property
@@ -137,13 +140,22 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   @property
   def skipped_micro_batches(self):
-    """int64 variable: micro-batches a `nonfinite_policy` skipped, or None."""
-    return self._policy.skipped_micro_batches
+    """int64 variable: micro-batches a `nonfinite_policy` skipped, or None.
+
+    That of the train op built last; the sum over replicas, updated on each
+    apply step.
+    """
+    return self._last_policy().skipped_micro_batches
 
   @property
   def skipped_cycles(self):
     """int64 variable: cycles a `nonfinite_policy` applied nothing in."""
-    return self._policy.skipped_cycles
+    return self._last_policy().skipped_cycles
+
+  def _last_policy(self):
+    if not self._train_ops:
+      return numerics.policy(None, self._grad_steps)
+    return self._train_ops[-1][0]
 
   def compute_gradients(self, loss, var_list=None, **kwargs):
     """Delegates to the wrapped optimizer's `compute_gradients`."""
@@ -166,9 +178,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
     Raises:
       TypeError: `global_step` is not a `Variable`, or `name` not a string.
-      ValueError: `grads_and_vars` is empty, or every gradient is None; or a
-        `nonfinite_policy` on several replicas, or `clip_norm` on several
-        replicas under control flow v1.
+      ValueError: `grads_and_vars` is empty, or every gradient is None; or
+        `global_step` is counted by another train op of a wrapper in this
+        graph.
       RuntimeError: in eager mode or `tf.function`; or, on the GPU path, in a
         cross-replica context.
     """
@@ -190,8 +202,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                        ([v.name for _, v in grads_and_vars],))
     var_list = [v for _, v in present]
     replica_context = tf.distribute.get_replica_context()
-    distribute.check_replicas(replica_context, self._use_tpu, self._clip_norm,
-                              self._policy.name, self._apply_crs_to_grad)
+    distribute.check_replicas(replica_context, self._use_tpu)
 
     # Where the original's tf.cond would have put the wrapped optimizer's
     # non-slot variables (Adam's beta1_power, ...): found before this method
@@ -202,37 +213,58 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       # when the graph is built, from the gradients' types. A cross-replica
       # sum needs the same shape on every core: dense.
       sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
-      accumulators = [
-          accumulators_lib.create(self._opt, v, g, self._grad_steps, sparse,
-                                  self._accumulator_dtype,
-                                  self._xla_num_partitions)
-          for g, v in present
-      ]
-      self._policy.create_variables()
-      if (self._use_tpu or global_step is None) and self._counter is None:
-        self._counter = steps.create_counter()
+      with distribute.summed_on_save():
+        accumulators = [
+            accumulators_lib.create(self._opt, v, g, self._grad_steps, sparse,
+                                    self._accumulator_dtype,
+                                    self._xla_num_partitions)
+            for g, v in present
+        ]
+      policy, counter = self._train_op_state(replica_context, global_step)
 
     with tf.compat.v1.name_scope(name, self._name) as scope:
-      accumulate = self._policy.micro_step(
+      accumulate = policy.micro_step(
           [g for g, _ in present],
           lambda: tf.group(*[a.add(g) for a, (g, _) in zip(accumulators,
                                                            present)],
                            name='accumulate'))
       if self._use_tpu:
         self._create_wrapped_slots(var_list, wrapped_vars_scope)
-        return self._apply_on_tpu(accumulate, accumulators, var_list,
-                                  global_step)
-    step = self._counter if global_step is None else global_step
+        return self._apply_on_tpu(accumulate, policy, accumulators, var_list,
+                                  counter, global_step)
+    step = counter if global_step is None else global_step
     # The original's GPU path: merge_call outside tf.cond.
     return replica_context.merge_call(
         self._apply_on_cycle_end,
-        args=(accumulate, accumulators, var_list, step, wrapped_vars_scope,
-              scope))
+        args=(accumulate, policy, accumulators, var_list, step,
+              step is counter, wrapped_vars_scope, scope))
+
+  def _train_op_state(self, replica_context, global_step):
+    """This train op's (policy, update_count or None), made once.
+
+    Call under `tf.init_scope()`. See `variables.train_op_state`.
+    """
+
+    def create():
+      if global_step is not None:
+        variables_lib.count_global_step(global_step, self._grad_steps)
+      policy = numerics.policy(self._nonfinite_policy, self._grad_steps)
+      policy.create_variables()
+      counter = None
+      if self._use_tpu or global_step is None:
+        counter = steps.create_counter()
+      return policy, counter
+
+    state = variables_lib.train_op_state(replica_context, create)
+    if not any(state is own for own in self._train_ops):
+      self._train_ops.append(state)
+    return state
 
   # ---------------------------------------------------------------- paths --
 
-  def _apply_on_cycle_end(self, distribution, accumulate, accumulators,
-                          var_list, step, wrapped_vars_scope, scope):
+  def _apply_on_cycle_end(self, distribution, accumulate, policy,
+                          accumulators, var_list, step, wraps,
+                          wrapped_vars_scope, scope):
     """GPU path, cross-replica context: apply on the cycle's last step."""
     # Strings and ops that differ per replica arrive as PerReplica values.
     wrapped_vars_scope = distribution.experimental_local_results(
@@ -240,16 +272,22 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     scope = distribution.experimental_local_results(scope)[0]
     accumulate = distribution.experimental_local_results(accumulate)
     self._create_wrapped_slots(var_list, wrapped_vars_scope)
-    wraps = step is self._counter
     with tf.compat.v1.name_scope(scope):
       with tf.control_dependencies(accumulate):
         step_value = step.read_value()
 
+      def on_each_replica(apply, good):
+        return distribution.group(distribution.extended.call_for_each_replica(
+            self._apply_and_reset,
+            args=(policy, accumulators, var_list, apply, good)))
+
       def apply_and_advance():
-        applied = distribution.extended.call_for_each_replica(
-            self._apply_and_reset, args=(accumulators, var_list))
-        with tf.control_dependencies(
-            distribution.experimental_local_results(applied)):
+        applied = self._decide_and_apply(
+            policy,
+            lambda: distribute.sum_over_replicas(distribution,
+                                                 policy.statistics),
+            distribution.num_replicas_in_sync, on_each_replica)
+        with tf.control_dependencies([applied]):
           return steps.advance(step, step_value, self._grad_steps, wraps)
 
       # Both branches advance the step, so the predicate's read of the step
@@ -258,39 +296,100 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
           steps.is_cycle_end(step_value, self._grad_steps), apply_and_advance,
           lambda: steps.advance(step, step_value, self._grad_steps, wraps))
 
-  def _apply_on_tpu(self, accumulate, accumulators, var_list, global_step):
+  def _apply_on_tpu(self, accumulate, policy, accumulators, var_list, counter,
+                    global_step):
     """TPU path: decide on `update_count`, read before it is incremented."""
     with tf.control_dependencies([accumulate]):
-      count = self._counter.read_value()
+      count = counter.read_value()
+
+    def sum_over_cores():
+      statistics = tf.stack(policy.statistics())
+      if self._apply_crs_to_grad:
+        statistics = tf.compat.v1.tpu.cross_replica_sum(statistics)
+      return tf.unstack(statistics)
+
+    cores = 1.0
+    if self._apply_crs_to_grad and policy.has_statistics:
+      cores = tf.compat.v1.tpu.cross_replica_sum(tf.constant(1.0))
     applied = compat.cond(
         steps.is_cycle_end(count, self._grad_steps),
-        lambda: self._apply_and_reset(accumulators, var_list), tf.no_op)
+        lambda: self._decide_and_apply(
+            policy, sum_over_cores, cores,
+            lambda apply, good: self._apply_and_reset(
+                policy, accumulators, var_list, apply, good)),
+        tf.no_op)
     # The original incremented the counter beside the tf.cond that read it,
     # with no order between the two: a race under resource variables.
     with tf.control_dependencies([applied]):
-      advances = [steps.advance(self._counter, count, self._grad_steps, True)]
+      advances = [steps.advance(counter, count, self._grad_steps, True)]
       if global_step is not None:
         advances.append(steps.advance(global_step, None, self._grad_steps,
                                       False))
     return tf.group(*advances)
 
-  def _apply_and_reset(self, accumulators, var_list):
-    """Applies the accumulated gradients (per replica), then resets."""
+  def _decide_and_apply(self, policy, sum_statistics, replicas,
+                        on_each_replica):
+    """The apply step: the policy decides, then each replica applies or not.
+
+    Args:
+      policy: the train op's non-finite policy.
+      sum_statistics: returns the policy's statistics summed over replicas
+        (the cycle's one exchange between replicas beyond the wrapped
+        optimizer's own all-reduce).
+      replicas: the number of replicas (a number or a scalar tensor).
+      on_each_replica: `fn(apply, good)` building, on every replica, the
+        apply (or, with `apply` False, only the reset) of the accumulators.
+
+    Returns:
+      An op.
+    """
+    if not policy.has_statistics:
+      return on_each_replica(True, None)
+    totals = sum_statistics()
+    apply_now, good = policy.decide(totals, replicas)
+    applied = compat.cond(apply_now, lambda: on_each_replica(True, good),
+                          lambda: on_each_replica(False, None))
+    with tf.control_dependencies([applied]):
+      return tf.group(*policy.count(totals, apply_now))
+
+  def _apply_and_reset(self, policy, accumulators, var_list, apply, good):
+    """On one replica: applies the accumulated mean (if `apply`), then resets.
+
+    Args:
+      policy: the train op's non-finite policy.
+      accumulators: the accumulators, in the order of `var_list`.
+      var_list: the variables.
+      apply: False to only reset (a cycle the policy skips).
+      good: None, or the number of micro-batches per replica that the
+        accumulators hold (the mean divides by it instead of grad_steps).
+
+    Returns:
+      An op.
+    """
     read = [a.read() for a in accumulators]
-    grads = read
-    if self._apply_crs_to_grad:
-      grads = [tf.compat.v1.tpu.cross_replica_sum(g) for g in grads]
-    if self._clip_norm is not None:
-      grads = numerics.clip_by_global_norm(grads, self._clip_norm)
-    grads = [
-        numerics.map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
-        for g, v in zip(grads, var_list)
-    ]
-    apply_op = self._policy.apply(
-        grads, lambda g: self._opt.apply_gradients(list(zip(g, var_list))))
+    if not apply:
+      done = tf.no_op()
+    else:
+      grads = read
+      if self._apply_crs_to_grad:
+        grads = [tf.compat.v1.tpu.cross_replica_sum(g) for g in grads]
+      if good is not None:
+        # The accumulators hold sum / grad_steps: the mean over `good`.
+        scale = self._grad_steps / tf.maximum(good, 1.0)
+        grads = [numerics.map_values(g, lambda x: x * tf.cast(scale, x.dtype))
+                 for g in grads]
+      # Clipped after the mean is complete: as large-batch training clips.
+      if self._clip_norm is not None:
+        grads = numerics.clip_by_global_norm(grads, self._clip_norm)
+      grads = [
+          numerics.map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
+          for g, v in zip(grads, var_list)
+      ]
+      done = self._opt.apply_gradients(list(zip(grads, var_list)))
+    with tf.control_dependencies([done]):
+      resets = policy.reset()
     return tf.group(
-        *(self._policy.reset(apply_op) +
-          accumulators_lib.reset_all(accumulators, read, apply_op)))
+        *(resets + accumulators_lib.reset_all(accumulators, read, done)))
 
   def _apply_directly(self, grads_and_vars, global_step, name):
     """grad_steps=1: there is nothing to accumulate."""
@@ -336,8 +435,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       A list of variables of the current graph, sorted by name.
     """
     variables = list(self._opt.variables())
-    for own in [self._counter] + self._policy.variables():
-      if (own is not None and
-          getattr(own, 'graph', None) is tf.compat.v1.get_default_graph()):
-        variables.append(own)
+    graph = tf.compat.v1.get_default_graph()
+    for policy, counter in self._train_ops:
+      for own in [counter] + policy.variables():
+        if own is not None and getattr(own, 'graph', None) is graph:
+          variables.append(own)
     return sorted(variables, key=lambda v: v.name)

@@ -13,6 +13,7 @@ from __future__ import print_function
 
 from deferred_grad import arguments
 from deferred_grad import compat
+from deferred_grad import variables
 
 tf = compat.import_tensorflow()
 
@@ -24,17 +25,15 @@ def create_counter():
 
   It counts micro-steps modulo `grad_steps`: an unbounded float32 counter
   (the original's) stops counting at 2**24 micro-steps. Its name, shape and
-  dtype are the original's so that its checkpoints restore.
+  dtype are the original's so that its checkpoints restore; a train op
+  built after another in the same graph gets `update_count_1`, ... (see
+  `variables`).
 
   Returns:
     The variable.
   """
-  return tf.compat.v1.get_variable(
-      COUNTER_NAME,
-      shape=[],
-      dtype=tf.float32,
-      initializer=tf.compat.v1.zeros_initializer(),
-      trainable=False,
+  return variables.own_variable(
+      COUNTER_NAME, tf.float32,
       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 

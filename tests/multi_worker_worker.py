@@ -3,9 +3,11 @@
 Usage: multi_worker_worker.py OUTPUT.npz MODE DELAY_SECONDS, with TF_CONFIG
 set. MODE is 'session' (a raw Session), 'monitored'
 (MonitoredTrainingSession, is_chief=True on every worker) or 'estimator'
-(Estimator + train_and_evaluate; TF_CONFIG names a chief and a worker). Each
-worker feeds its half of every micro-batch and writes its final weights (and,
-in session mode, the executed collectives per micro-step) to OUTPUT.npz.
+(Estimator + train_and_evaluate; TF_CONFIG names a chief and a worker); or a
+`nonfinite_policy` ('skip_micro_batch', 'skip_cycle'): a raw Session where
+worker 1's part of micro-step BAD_STEP has a NaN target. Each worker feeds
+its half of every micro-batch and writes its final weights (and, with a raw
+Session, the executed collectives per micro-step) to OUTPUT.npz.
 """
 
 import os
@@ -23,6 +25,8 @@ import models
 
 WORKERS = 2
 GRAD_STEPS = 3
+BAD_STEP, BAD_TASK = 4, 1  # the second micro-step of the second cycle
+POLICIES = ('skip_micro_batch', 'skip_cycle')
 
 
 def _micro_batches(task):
@@ -102,12 +106,16 @@ def main(output, mode, delay):
       resolver.cluster_spec(), job_name='worker', task_index=task,
       config=config, start=True)
   x_data, y_data = _micro_batches(task)
+  policy = mode if mode in POLICIES else None
+  if policy and task == BAD_TASK:
+    y_data[BAD_STEP, 0, 0] = np.nan
   with tf.Graph().as_default(), strategy.scope():
     global_step = tf.compat.v1.train.get_or_create_global_step()
     x = tf.compat.v1.placeholder(tf.float32, [None, models.INPUT_DIM])
     y = tf.compat.v1.placeholder(tf.float32, [None, models.OUTPUT_DIM])
     optimizer = deferred_grad.GradientAggregationOptimizer(
-        models.OPTIMIZERS['Momentum'](None), GRAD_STEPS)
+        models.OPTIMIZERS['Momentum'](None), GRAD_STEPS,
+        nonfinite_policy=policy)
     variables = {}
 
     def replica_step():
@@ -125,7 +133,7 @@ def main(output, mode, delay):
         yield {x: x_value, y: y_value}
 
     collectives = []  # executed Collective* ops per micro-step
-    if mode == 'session':
+    if mode != 'monitored':
       session = tf.compat.v1.Session(server.target, config=config)
       session.run(tf.compat.v1.global_variables_initializer())
       session.run(barrier, options=options)
@@ -139,6 +147,9 @@ def main(output, mode, delay):
             if node.timeline_label.split(' = ')[-1].startswith('Collective')
             or node.node_name.startswith('Collective')))
       weights = session.run(variables)
+      if policy:
+        weights['skipped'] = session.run(
+            [optimizer.skipped_micro_batches, optimizer.skipped_cycles])
     else:
       # Every worker runs the collective initializers: all are chiefs.
       with tf.compat.v1.train.MonitoredTrainingSession(

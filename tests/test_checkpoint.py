@@ -97,9 +97,9 @@ def _uninterrupted(use_tpu, stop_step=None, model='mlp'):
     return session.run(trainer.variables), state
 
 
-def _train_monitored(trainer, checkpoint_dir, last_step):
+def _train_monitored(trainer, checkpoint_dir, last_step, batches=None):
   """Trains with MonitoredTrainingSession up to last_step, saving as it goes."""
-  batches = _micro_batches()
+  batches = _micro_batches() if batches is None else batches
   with trainer.graph.as_default():
     hooks = [
         tf.compat.v1.train.StopAtStepHook(last_step=last_step),
@@ -173,3 +173,71 @@ def test_restores_a_checkpoint_written_under_the_original_names(
       trainer.micro_step(session, *[part[step] for part in batches])
     resumed = session.run(trainer.variables)
   training.assert_same_training([resumed], [expected], rtol=0, atol=0)
+
+
+def _replica_batches():
+  """Micro-batches of REPLICAS * MICRO_BATCH rows: each replica its half."""
+  return models.make_data(TOTAL_STEPS,
+                          training.REPLICAS * models.MICRO_BATCH)
+
+
+def _mirrored(optimizer='Momentum'):
+  return training.MirroredTrainer(models.OPTIMIZERS[optimizer], GRAD_STEPS)
+
+
+def _run_mirrored(trainer, session, batches, steps):
+  for step in steps:
+    trainer.micro_step(session, *[part[step] for part in batches])
+
+
+@pytest.mark.parametrize('loop', ['session', 'monitored'])
+def test_mirrored_strategy_resumes_mid_cycle(loop, tmp_path):
+  """Each replica's partial sum survives a save and restore mid-cycle.
+
+  The checkpoint holds the sum over replicas under the original's key (a
+  mirrored slot used to save replica 0's part only, and a resumed job ended
+  0.035 away from the uninterrupted one).
+  """
+  batches = _replica_batches()
+  uninterrupted = _mirrored()
+  with tf.compat.v1.Session(graph=uninterrupted.graph) as session:
+    session.run(uninterrupted.init_op)
+    _run_mirrored(uninterrupted, session, batches, range(TOTAL_STEPS))
+    expected = session.run(uninterrupted.variables)
+
+  first = _mirrored()
+  checkpoint_dir = str(tmp_path)
+  with first.graph.as_default():
+    accumulator = first.optimizer.get_slot(first.variables['w1'],
+                                           'grad_accum')
+    parts = first.strategy.experimental_local_results(accumulator)
+  if loop == 'session':
+    with first.graph.as_default(), tf.compat.v1.Session() as session:
+      session.run(first.init_op)
+      _run_mirrored(first, session, batches, range(STOP_STEP))
+      at_save = session.run(parts)
+      tf.compat.v1.train.Saver().save(session, checkpoint_dir + '/model')
+  else:
+    assert _train_monitored(first, checkpoint_dir, STOP_STEP,
+                            batches) == STOP_STEP
+    at_save = [tf.train.load_variable(checkpoint_dir,
+                                      'w1/GradientAccumulator')]
+  saved = tf.train.load_variable(checkpoint_dir, 'w1/GradientAccumulator')
+  np.testing.assert_allclose(saved, np.sum(at_save, axis=0), rtol=1e-6)
+  if loop == 'session':
+    assert not np.allclose(at_save[0], at_save[1])  # two different parts
+
+  second = _mirrored()
+  if loop == 'session':
+    with second.graph.as_default(), tf.compat.v1.Session() as session:
+      tf.compat.v1.train.Saver().restore(
+          session, tf.train.latest_checkpoint(checkpoint_dir))
+      _run_mirrored(second, session, batches, range(STOP_STEP, TOTAL_STEPS))
+      resumed = session.run(second.variables)
+  else:
+    assert _train_monitored(second, checkpoint_dir, TOTAL_STEPS,
+                            batches) == TOTAL_STEPS
+    resumed = {name: tf.train.load_variable(checkpoint_dir, name)
+               for name in expected}
+  # Round-off only: the restored sum is split between the replicas.
+  training.assert_same_training([resumed], [expected])

@@ -156,3 +156,30 @@ def test_resume_mid_cycle_equals_uninterrupted(tmp_path, use_tpu):
   assert second.get_variable_value('global_step') == total
   training.assert_same_training([_weights(second)], [_weights(uninterrupted)],
                                 rtol=0, atol=0)
+
+
+def test_estimator_mirrored_strategy_resumes_mid_cycle(tmp_path):
+  """Each replica's partial sum is in the checkpoint (as the sum)."""
+  replicas = 2
+  total = CYCLES * GRAD_STEPS
+  stop = GRAD_STEPS + 1  # one micro-step into the second cycle
+  examples = _examples(replicas * total, models.MICRO_BATCH)
+
+  def mirrored(model_dir):
+    strategy = tf.distribute.MirroredStrategy(
+        ['/cpu:0', '/cpu:1'],
+        cross_device_ops=tf.distribute.ReductionToOneDevice())
+    return _estimator(model_dir, GRAD_STEPS, train_distribute=strategy)
+
+  uninterrupted = mirrored(str(tmp_path / 'whole'))
+  uninterrupted.train(_input_fn(examples, models.MICRO_BATCH),
+                      max_steps=total)
+  model_dir = str(tmp_path / 'resumed')
+  mirrored(model_dir).train(_input_fn(examples, models.MICRO_BATCH),
+                            max_steps=stop)
+  second = mirrored(model_dir)
+  # Each micro-step takes one micro-batch per replica.
+  second.train(_input_fn(examples, models.MICRO_BATCH,
+                         skip_batches=replicas * stop), max_steps=total)
+  assert second.get_variable_value('global_step') == total
+  training.assert_same_training([_weights(second)], [_weights(uninterrupted)])

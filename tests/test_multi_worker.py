@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import models
+import training
 from models import make_data
 from training import assert_same_training
 from training import train
@@ -79,6 +80,29 @@ def _large_batch():
   return expected[-1]
 
 
+def _large_batch_without(bad_step, bad_task, policy):
+  """The bare optimizer on each cycle's finite parts, as `policy` would.
+
+  A part is one worker's MICRO_BATCH rows of one micro-step; the bad part is
+  left out of its cycle's large batch ('skip_micro_batch'), or its cycle
+  is left out ('skip_cycle').
+  """
+  x, y = make_data(models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
+  rows_per_step = WORKERS * models.MICRO_BATCH
+  trainer = training.Trainer(models.OPTIMIZERS['Momentum'])
+  with trainer.session() as session:
+    for cycle in range(models.CYCLES):
+      keep = np.ones(len(x[cycle]), bool)
+      if cycle == bad_step // GRAD_STEPS:
+        if policy == 'skip_cycle':
+          continue
+        start = ((bad_step % GRAD_STEPS) * rows_per_step +
+                 bad_task * models.MICRO_BATCH)
+        keep[start:start + models.MICRO_BATCH] = False
+      trainer.micro_step(session, x[cycle][keep], y[cycle][keep])
+    return session.run(trainer.variables)
+
+
 @pytest.mark.parametrize('mode, delays', [
     ('session', [0, 0]),
     ('session', [0, 1]),  # one worker a second late
@@ -115,3 +139,21 @@ def test_estimator_train_and_evaluate_trains_like_one_large_batch(tmp_path):
   assert checkpoint.get_tensor('global_step') == models.CYCLES * GRAD_STEPS
   assert_same_training(
       [{name: checkpoint.get_tensor(name) for name in expected}], [expected])
+
+
+@pytest.mark.parametrize('policy, skipped_cycles', [('skip_micro_batch', 0),
+                                                    ('skip_cycle', 1)])
+def test_policy_across_workers(tmp_path, policy, skipped_cycles):
+  """A NaN micro-batch on one worker: both workers skip alike.
+
+  Still no collective on accumulate-only micro-steps: the policy's counts
+  travel in one small all-reduce on the apply step.
+  """
+  expected = _large_batch_without(4, 1, policy)  # as multi_worker_worker.py
+  for weights in _run_workers(tmp_path, policy, [0, 0]):
+    counts = weights.pop('collectives')
+    skipped = list(weights.pop('skipped'))
+    assert skipped == [1, skipped_cycles]
+    assert_same_training([weights], [expected])
+    apply_steps = np.arange(len(counts)) % GRAD_STEPS == GRAD_STEPS - 1
+    assert np.all(counts[~apply_steps] == 0), counts

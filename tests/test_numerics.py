@@ -24,28 +24,54 @@ BAD = {(0, 1): np.nan, (1, 0): np.inf, (1, 3): -np.inf,
 CYCLES = 4  # the last one is clean
 
 
-def _poisoned_data():
+def _poisoned_data(bad=None, replicas=1):
+  """Linear-model data where the micro-batches in `bad` are non-finite.
+
+  Args:
+    bad: {(cycle, micro-step, replica): poison}; default BAD on replica 0.
+    replicas: each micro-batch is `replicas` parts of MICRO_BATCH rows.
+  """
+  bad = _bad_on_replica_0() if bad is None else bad
   x, y, poison = models.make_linear_data(
-      CYCLES, GRAD_STEPS * models.MICRO_BATCH)
-  for (cycle, step), value in BAD.items():
-    poison[cycle, step * models.MICRO_BATCH] = value
+      CYCLES, replicas * GRAD_STEPS * models.MICRO_BATCH)
+  for (cycle, step, replica), value in bad.items():
+    poison[cycle, (step * replicas + replica) * models.MICRO_BATCH] = value
   return x, y, poison
 
 
-def _by_hand(data, policy):
-  """Weights after each cycle, in float64 numpy, for SGD."""
+def _bad_on_replica_0():
+  return {(cycle, step, 0): value for (cycle, step), value in BAD.items()}
+
+
+def _good_gradients(w, x, y, poison, cycle, bad, replicas):
+  """The gradients of the cycle's finite parts (a replica's rows of a step)."""
+  good = []
+  for step in range(GRAD_STEPS):
+    for replica in range(replicas):
+      start = (step * replicas + replica) * models.MICRO_BATCH
+      rows = slice(start, start + models.MICRO_BATCH)
+      if (cycle, step, replica) not in bad:
+        good.append(models.linear_gradient(w, x[rows], y[rows], poison[rows]))
+  return good
+
+
+def _by_hand(data, policy, bad=None, replicas=1, clip_norm=None):
+  """Weights after each cycle, in float64 numpy, for SGD.
+
+  The update is the mean gradient over the cycle's finite parts, as `policy`
+  decides, clipped to `clip_norm` (if given) as the large batch's would be.
+  """
+  bad = _bad_on_replica_0() if bad is None else bad
   w = models.LINEAR_INITIAL.astype(np.float64)
   snapshots = []
   for cycle, (x, y, poison) in enumerate(zip(*data)):
-    good = []
-    for step in range(GRAD_STEPS):
-      rows = slice(step * models.MICRO_BATCH,
-                   (step + 1) * models.MICRO_BATCH)
-      if (cycle, step) not in BAD:
-        good.append(models.linear_gradient(w, x[rows], y[rows],
-                                             poison[rows]))
-    if (policy == 'skip_micro_batch' and good) or len(good) == GRAD_STEPS:
-      w = w - LEARNING_RATE * np.mean(good, axis=0)
+    good = _good_gradients(w, x, y, poison, cycle, bad, replicas)
+    if ((policy == 'skip_micro_batch' and good) or
+        len(good) == GRAD_STEPS * replicas):
+      mean = np.mean(good, axis=0)
+      if clip_norm is not None:
+        mean *= min(1.0, clip_norm / np.linalg.norm(mean))
+      w = w - LEARNING_RATE * mean
     snapshots.append({'w': w})
   return snapshots
 
@@ -193,11 +219,7 @@ def test_clip_norm_clips_the_accumulated_gradient(use_tpu):
 
 
 def test_clip_norm_under_mirrored_strategy_uses_the_global_norm():
-  if not tf.compat.v1.control_flow_v2_enabled():
-    with pytest.raises(ValueError, match='clip_norm with several replicas'):
-      MirroredTrainer(models.OPTIMIZERS['Momentum'], GRAD_STEPS,
-                      clip_norm=CLIP_NORM)
-    return
+  """In both behaviours (it used to raise under disable_v2_behavior())."""
   data = make_data(models.CYCLES,
                    training.REPLICAS * GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(_clipped_momentum, data)
@@ -209,9 +231,126 @@ def test_clip_norm_under_mirrored_strategy_uses_the_global_norm():
   assert_same_training(actual, expected)
 
 
-def test_policy_refuses_several_replicas():
-  with pytest.raises(ValueError, match='needs a single replica'):
-    MirroredTrainer(_sgd, GRAD_STEPS, nonfinite_policy='skip_cycle')
+# (cycle, micro-step, replica) -> poison: bad parts on one replica only.
+BAD_ON_REPLICA_1 = {(0, 2, 1): np.nan, (1, 0, 1): np.inf, (1, 3, 1): np.nan}
+
+
+def _train_mirrored_linear(data, **wrapper_kwargs):
+  """Trains the linear model under MirroredStrategy; returns the trainer too."""
+  trainer = MirroredTrainer(_sgd, GRAD_STEPS, model='linear',
+                            **wrapper_kwargs)
+  session = tf.compat.v1.Session(graph=trainer.graph)
+  session.run(trainer.init_op)
+  return trainer, session, trainer.run(session, data)
+
+
+@pytest.mark.parametrize('policy, skipped_cycles', [('skip_micro_batch', 0),
+                                                    ('skip_cycle', 2)])
+def test_policy_across_replicas(policy, skipped_cycles):
+  """A bad micro-batch on replica 1 only, MirroredStrategy on two CPUs.
+
+  skip_micro_batch: the update is the mean over every finite micro-batch of
+  every replica; skip_cycle: the cycle applies nothing on any replica. The
+  counters hold the totals over replicas, on every replica.
+  """
+  replicas = training.REPLICAS
+  data = _poisoned_data(BAD_ON_REPLICA_1, replicas)
+  trainer, session, actual = _train_mirrored_linear(
+      data, nonfinite_policy=policy)
+  with session:
+    skipped, cycles = session.run([
+        trainer.strategy.experimental_local_results(v)
+        for v in (trainer.optimizer.skipped_micro_batches,
+                  trainer.optimizer.skipped_cycles)])
+  assert_same_training(actual, _by_hand(data, policy, BAD_ON_REPLICA_1,
+                                        replicas))
+  assert list(skipped) == [len(BAD_ON_REPLICA_1)] * replicas
+  assert list(cycles) == [skipped_cycles] * replicas
+
+
+@pytest.mark.parametrize('policy', ['skip_micro_batch', 'skip_cycle'])
+def test_policy_with_clip_across_replicas(policy):
+  replicas = training.REPLICAS
+  bad = {(0, 2, 1): np.nan}
+  data = _poisoned_data(bad, replicas)
+  _, session, actual = _train_mirrored_linear(
+      data, nonfinite_policy=policy, clip_norm=CLIP_NORM)
+  session.close()
+  assert_same_training(
+      actual, _by_hand(data, policy, bad, replicas, clip_norm=CLIP_NORM))
+
+
+def _feed_gradients(gradients, use_tpu, **wrapper_kwargs):
+  """Minus w after feeding `gradients` (rows of 2) to SGD(1.0)'s wrapper."""
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', initializer=np.zeros(2, np.float32))
+    feed = tf.compat.v1.placeholder(tf.float32, [2])
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(1.0), len(gradients),
+        use_tpu=use_tpu, **wrapper_kwargs)
+    train_op = optimizer.apply_gradients([(feed, w)])
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for gradient in gradients:
+        session.run(train_op, {feed: gradient})
+      return -session.run(w)
+
+
+@pytest.mark.parametrize('clip_norm, expected', [(1.0, [0.6, 0.8]),
+                                                 (4.5, [2.7, 3.6]),
+                                                 (10.0, [3.0, 4.0])])
+def test_skip_micro_batch_then_clip(clip_norm, expected, use_tpu):
+  """The mean of the finite micro-batches, then clipped: as the large batch.
+
+  The wrapper used to clip sum / grad_steps and rescale afterwards, giving
+  [0.8, 1.0667] (norm 1.33) for clip_norm=1, and [3, 4] unclipped for 4.5.
+  """
+  applied = _feed_gradients([[3, 4], [np.nan, 0], [3, 4], [3, 4]], use_tpu,
+                            nonfinite_policy='skip_micro_batch',
+                            clip_norm=clip_norm)
+  np.testing.assert_allclose(applied, expected, rtol=1e-6)
+  assert np.linalg.norm(applied) <= clip_norm * (1 + 1e-6)
+
+
+def test_skip_cycle_with_clip_applies_nothing(use_tpu):
+  applied = _feed_gradients([[3, 4], [np.inf, 0], [3, 4]], use_tpu,
+                            nonfinite_policy='skip_cycle', clip_norm=1.0)
+  np.testing.assert_array_equal(applied, [0, 0])
+
+
+@pytest.mark.parametrize('policy', ['skip_micro_batch', 'skip_cycle'])
+def test_policy_detects_nan_in_sparse_gradients(policy, use_tpu):
+  """A NaN in an IndexedSlices' values (an embedding table's gradient)."""
+  rows, dim = 6, 2
+  ids = [[0, 2], [2, 5], [1, 2], [5, 5]]
+  values = np.arange(16, dtype=np.float32).reshape(4, 2, dim) / 10
+  values[1, 0, 1] = np.nan  # in the second micro-batch
+  with tf.Graph().as_default():
+    table = tf.compat.v1.get_variable(
+        'table', initializer=np.ones([rows, dim], np.float32))
+    ids_feed = tf.compat.v1.placeholder(tf.int32, [2])
+    values_feed = tf.compat.v1.placeholder(tf.float32, [2, dim])
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(1.0), len(ids),
+        use_tpu=use_tpu, nonfinite_policy=policy)
+    gradient = tf.IndexedSlices(values_feed, ids_feed,
+                                tf.constant([rows, dim]))
+    train_op = optimizer.apply_gradients([(gradient, table)])
+    assert optimizer.get_slot(table, 'grad_accum') is not None
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for step_ids, step_values in zip(ids, values):
+        session.run(train_op, {ids_feed: step_ids, values_feed: step_values})
+      actual = session.run(table)
+      skipped = session.run(optimizer.skipped_micro_batches)
+  expected = np.ones([rows, dim])
+  if policy == 'skip_micro_batch':
+    good = [0, 2, 3]
+    for step in good:
+      for row, value in zip(ids[step], values[step]):
+        expected[row] -= value / len(good)
+  np.testing.assert_allclose(actual, expected, rtol=1e-6)
+  assert skipped == 1
 
 
 @scripts.run_once_per_version
