@@ -22,6 +22,7 @@ from __future__ import print_function
 
 from deferred_grad import compat
 from deferred_grad import sharding
+from deferred_grad import variables
 
 tf = compat.import_tensorflow()
 
@@ -75,15 +76,18 @@ def create_slot(opt, variable, dtype):
   # pylint: disable=protected-access
   dtype = dtype or variable.dtype.base_dtype
   if variable.shape.is_fully_defined():
-    return opt._get_or_make_slot_with_initializer(
+    slot = opt._get_or_make_slot_with_initializer(
         variable, run_time_zeros, variable.shape, dtype, SLOT_NAME,
         SLOT_OP_NAME)
-  if dtype == variable.dtype.base_dtype:
+  elif dtype == variable.dtype.base_dtype:
     # Only a variable's value knows its shape: TensorFlow's zeros slot.
-    return opt._zeros_slot(variable, SLOT_NAME, SLOT_OP_NAME)
-  raise ValueError(
-      'accumulator_dtype=%s needs variables of known shape; %s has shape %s.'
-      % (dtype.name, variable.name, variable.shape))
+    slot = opt._zeros_slot(variable, SLOT_NAME, SLOT_OP_NAME)
+  else:
+    raise ValueError(
+        'accumulator_dtype=%s needs variables of known shape; %s has shape '
+        '%s.' % (dtype.name, variable.name, variable.shape))
+  variables.add_to_state(slot)
+  return slot
 
 
 class _Accumulator(object):
@@ -105,6 +109,10 @@ class _Accumulator(object):
   def local(self):
     """This replica's component of the slot (the slot itself without one)."""
     return compat.local_variable(self.slot)
+
+  def mark(self):
+    """Records one micro-step; only the sparse kind keeps a record."""
+    return tf.no_op()
 
 
 class DenseAccumulator(_Accumulator):
@@ -190,45 +198,106 @@ class ShardedAccumulator(DenseAccumulator):
 
 
 class SparseAccumulator(_Accumulator):
-  """Accumulates `tf.IndexedSlices` row by row.
+  """Accumulates `tf.IndexedSlices` row by row; the cycle costs O(rows touched).
 
-  The rows touched in a cycle are not stored anywhere (the original's
-  checkpoints have no place for them): they are the rows whose accumulated
-  gradient is not zero. A touched row whose sum is exactly zero in every
-  entry is therefore left out.
+  Each micro-step scatter-adds the rows it looked up (duplicates add up, as
+  in the dense gradient) and records their ids in a queue beside the
+  accumulator, with one marker per micro-step. The apply step takes the
+  recorded ids, removes duplicates, and gathers, hands on and zeroes only
+  those rows: no step reads the whole table, and every touched row is handed
+  on, also one whose sum is exactly zero (a masked padding id), as in the
+  large batch's gradient.
+
+  The queue is neither a variable nor in a checkpoint: the original's
+  checkpoints restore, and no initializer is needed. A session that has not
+  seen a whole cycle (one restored from a checkpoint mid-cycle) finds fewer
+  markers than `grad_steps` and falls back, once, to a full read: the rows
+  whose accumulated gradient is not zero and those it recorded (a row
+  touched only before the restore and summing to exactly zero is then left
+  out).
+
+  Inside an XLA computation (a TPU rewrite, `xla.compile`) only static
+  shapes compile, and the number of rows a cycle touches is not static:
+  there the micro-steps still scatter-add, but the apply step hands on the
+  whole accumulator as a dense gradient, as the original (and
+  `sparse_as_dense=True`) did.
 
   Args:
     slot: the accumulator variable.
     grad_steps: the number of micro-steps per cycle.
-    num_partitions: `xla_num_partitions`, for the apply step's read.
+    num_partitions: `xla_num_partitions`, for full reads.
+    in_xla: built inside an XLA computation (no queue; a dense hand-off).
   """
 
-  chained_reset = False
-
-  def __init__(self, slot, grad_steps, num_partitions=None):
+  def __init__(self, slot, grad_steps, num_partitions=None, in_xla=False):
     super(SparseAccumulator, self).__init__(slot, grad_steps)
     self._num_partitions = num_partitions
+    self._rows = None
+    # Dense resets are chained (see reset_all); row resets are not.
+    self.chained_reset = in_xla
+    if not in_xla:
+      local = self.local
+      with tf.device(local.device):
+        self._rows = tf.queue.FIFOQueue(
+            2**31 - 1, [tf.int64], shapes=[[]],
+            name=local.op.name.replace('/', '_') + '_touched_rows')
 
   def add(self, gradient):
-    """Scatter-adds the rows looked up; duplicates add up, as when dense.
+    """Scatter-adds the rows looked up, and records them.
 
     The cost does not grow with the table.
     """
     dtype = self.slot.dtype.base_dtype
-    return self.local.scatter_add(
+    added = self.local.scatter_add(
         tf.IndexedSlices(
             tf.cast(gradient.values, dtype) / self._grad_steps,
             gradient.indices))
+    if self._rows is None:
+      return added
+    return tf.group(added, self._rows.enqueue_many(
+        [tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)]))
+
+  def mark(self):
+    """Records one micro-step (added or skipped): run it on every one."""
+    if self._rows is None:
+      return tf.no_op()
+    return self._rows.enqueue(tf.constant(-1, tf.int64))
 
   def read(self):
-    """The accumulated gradient as IndexedSlices over its non-zero rows."""
-    value = sharding.shard(self.local.read_value(), self._num_partitions)
-    nonzero = tf.not_equal(value, 0)
-    if value.shape.rank > 1:
-      nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
-    rows = tf.reshape(tf.where(nonzero), [-1])
-    return tf.IndexedSlices(
-        tf.gather(value, rows), rows, dense_shape=tf.shape(value, tf.int64))
+    """The accumulated gradient: IndexedSlices over the touched rows.
+
+    (Inside XLA: the dense accumulator.)
+    """
+    if self._rows is None:
+      return sharding.shard(self.local.read_value(), self._num_partitions)
+    recorded = self._rows.dequeue_many(self._rows.size())
+    is_row = recorded >= 0
+    rows, _ = tf.unique(tf.boolean_mask(recorded, is_row))
+    complete = tf.greater_equal(
+        tf.reduce_sum(tf.cast(tf.logical_not(is_row), tf.int32)),
+        self._grad_steps)
+
+    def from_record():
+      return tf.gather(self.local, rows), rows
+
+    def from_scan():
+      # Also the rows this session recorded: only a row touched before the
+      # restore alone and summing to exactly zero is left out, once.
+      value = sharding.shard(self.local.read_value(), self._num_partitions)
+      scanned, _ = tf.unique(tf.concat([_nonzero_rows(value), rows], 0))
+      return tf.gather(value, scanned), scanned
+
+    values, rows = compat.cond(complete, from_record, from_scan)
+    return tf.IndexedSlices(values, rows, dense_shape=self._dense_shape())
+
+  def _dense_shape(self):
+    """The accumulator's shape, without reading it whole."""
+    if self.slot.shape.is_fully_defined():
+      return tf.constant(self.slot.shape.as_list(), tf.int64)
+    local = self.local
+    if compat.is_ref_variable(local):
+      return tf.shape(local, out_type=tf.int64)
+    return tf.raw_ops.VariableShape(input=local.handle, out_type=tf.int64)
 
   def reset(self, after, gradient):
     """Zeroes the rows `gradient` (what `read` returned) holds, after `after`.
@@ -236,6 +305,8 @@ class SparseAccumulator(_Accumulator):
     Returns:
       The op.
     """
+    if not isinstance(gradient, tf.IndexedSlices):  # inside XLA
+      return DenseAccumulator.reset(self, after)
     dtype = self.slot.dtype.base_dtype
     with tf.control_dependencies([after]):
       return self.local.scatter_update(
@@ -243,8 +314,55 @@ class SparseAccumulator(_Accumulator):
                            gradient.indices))
 
 
+def _nonzero_rows(value):
+  """The int64 indices of `value`'s rows that are not all zero."""
+  nonzero = tf.not_equal(value, 0)
+  if value.shape.rank > 1:
+    nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
+  return tf.reshape(tf.where(nonzero), [-1])
+
+
+class PassThrough(object):
+  """grad_steps=1: no accumulator; the apply step reads the gradient itself.
+
+  The micro-step is the update, so every keyword's logic (clipping, the
+  non-finite policy, the cross-replica sum) runs on the gradient as it came,
+  at the cost of a bare step.
+
+  Args:
+    sparse: hand on an IndexedSlices as it is (else densified).
+  """
+
+  chained_reset = False
+
+  def __init__(self, sparse):
+    self._sparse = sparse
+    self._gradient = None
+
+  def mark(self):
+    return tf.no_op()
+
+  def add(self, gradient):
+    """Keeps `gradient` for `read`; makes no op but a no-op.
+
+    (It may run inside a policy's `tf.cond` branch, where a new tensor could
+    not be read from the apply step.)
+    """
+    self._gradient = gradient
+    return tf.no_op()
+
+  def read(self):
+    if isinstance(self._gradient, tf.IndexedSlices) and not self._sparse:
+      return tf.convert_to_tensor(self._gradient)
+    return self._gradient
+
+  def reset(self, after, gradient):
+    del gradient
+    return after
+
+
 def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
-           num_partitions=None):
+           num_partitions=None, in_xla=False):
   """Creates `variable`'s accumulator of the kind its gradient needs.
 
   Args:
@@ -255,13 +373,17 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
     sparse: accumulate an IndexedSlices gradient row by row.
     dtype: `accumulator_dtype`, or None.
     num_partitions: `xla_num_partitions`, or None.
+    in_xla: built inside an XLA computation (see SparseAccumulator).
 
   Returns:
-    A `DenseAccumulator`, `ShardedAccumulator` or `SparseAccumulator`.
+    A `PassThrough` (grad_steps=1), `DenseAccumulator`,
+    `ShardedAccumulator` or `SparseAccumulator`.
   """
+  if grad_steps == 1:
+    return PassThrough(sparse)
   slot = create_slot(opt, variable, dtype)
   if sparse and isinstance(gradient, tf.IndexedSlices):
-    return SparseAccumulator(slot, grad_steps, num_partitions)
+    return SparseAccumulator(slot, grad_steps, num_partitions, in_xla)
   if num_partitions is None:
     return DenseAccumulator(slot, grad_steps)
   return ShardedAccumulator(slot, grad_steps, num_partitions)

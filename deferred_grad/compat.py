@@ -111,3 +111,15 @@ def cond(pred, true_fn, false_fn):
   result = tf.cond(pred, true_fn, false_fn)
   run_cond_as_function(graph, ops_before)
   return result
+
+
+def in_xla_context():
+  """True while building inside an XLA computation (a TPU rewrite,
+  `xla.compile`), where only XLA-compilable ops may be made."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  context = tf.compat.v1.get_default_graph()._get_control_flow_context()  # pylint: disable=protected-access
+  while context is not None:
+    if context.IsXLAContext():
+      return True
+    context = context.outer_context
+  return False

@@ -49,23 +49,25 @@ def collective_barrier(strategy=None):
   return strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
 
 
-def check_replicas(replica_context, use_tpu):
+def check_replicas(replica_context, use_tpu, method='apply_gradients'):
   """Refuses the contexts the code paths cannot serve.
 
   Args:
-    replica_context: `tf.distribute.get_replica_context()` where
-      `apply_gradients` was called (None in a cross-replica context).
+    replica_context: `tf.distribute.get_replica_context()` where `method`
+      was called (None in a cross-replica context).
     use_tpu: the wrapper's keyword.
+    method: the name of the method called, for the message.
 
   Raises:
     RuntimeError: the GPU path in a cross-replica context.
   """
   if not use_tpu and replica_context is None:
     raise RuntimeError(
-        'GradientAggregationOptimizer.apply_gradients must be called in a '
-        'replica context (e.g. inside '
-        'strategy.extended.call_for_each_replica), not in a cross-replica '
-        'context.')
+        'GradientAggregationOptimizer.%s (and minimize) must be called in a '
+        'replica context, not in a cross-replica context: under a '
+        'tf.distribute strategy, call it inside the function you pass to '
+        'strategy.extended.call_for_each_replica (or strategy.run), not '
+        'directly under strategy.scope().' % method)
 
 
 def in_multi_worker_mode(strategy):
@@ -110,20 +112,22 @@ def summed_on_save():
     yield
 
 
-def sum_over_replicas(distribution, values_fn):
-  """Sums `values_fn()`'s scalars over all replicas, from cross-replica context.
+def sum_over_replicas(distribution, values_fn, *args):
+  """Sums `values_fn(*args)`'s scalars over all replicas, cross-replica.
 
   One small all-reduce: the scalars travel as one vector.
 
   Args:
     distribution: the strategy (the `merge_call`'s first argument).
-    values_fn: called on each replica; returns a list of float32 scalars.
+    values_fn: called on each replica with that replica's `args`; returns a
+      non-empty list of float32 scalars.
+    *args: arguments, PerReplica values unwrapped for each replica.
 
   Returns:
-    The list of sums (in cross-replica context), or [] for no values.
+    The list of sums (in cross-replica context).
   """
   per_replica = distribution.extended.call_for_each_replica(
-      lambda: tf.stack(values_fn()))
+      lambda *a: tf.stack(values_fn(*a)), args=args)
   summed = distribution.reduce(tf.distribute.ReduceOp.SUM, per_replica,
                                axis=None)
   return tf.unstack(summed)

@@ -5,11 +5,12 @@ from __future__ import division
 from __future__ import print_function
 
 import six
-from six.moves import zip
 
 from deferred_grad import accumulators as accumulators_lib
+from deferred_grad import aggregation as aggregation_lib
 from deferred_grad import arguments
 from deferred_grad import compat
+from deferred_grad import cycle as cycle_lib
 from deferred_grad import distribute
 from deferred_grad import numerics
 from deferred_grad import steps
@@ -35,11 +36,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   times larger. A few caveats apply:
 
   * Batch statistics (e.g. batch norm) stay based on the micro-batch.
-  * `global_step` is incremented on every micro-step. Learning-rate schedules
-    therefore see micro-steps; feed them `applied_updates(global_step,
-    grad_steps)` to see updates instead.
-  * With `grad_steps=1` the wrapper passes gradients straight to the wrapped
-    optimizer (and creates no variables of its own).
+  * `global_step` is incremented on every micro-step, by the wrapper, at any
+    `grad_steps`. Learning-rate schedules therefore see micro-steps; feed
+    them `applied_updates(global_step, grad_steps)` to see updates instead.
+  * With `grad_steps=1` nothing is accumulated (no accumulator variables),
+    and every other keyword still applies.
 
   Two code paths build the cycle logic:
 
@@ -51,10 +52,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   * TPU path (`use_tpu=True`): a scalar counter variable `update_count`
     decides in an in-graph `tf.cond`, without `merge_call`.
 
-  The mechanics live one call away, each in the module named for it:
-  `accumulators` (dense, sharded and sparse accumulation), `numerics`
-  (non-finite policies, clipping), `steps` (the cycle counter) and
-  `distribute` (replica checks, multi-worker helpers).
+  What a micro-step and an apply step do is `cycle.Cycle`; the mechanics are
+  one call away, each in the module named for it: `accumulators`,
+  `aggregation` (mean, sum, weights), `numerics` (non-finite policies,
+  clipping), `steps` (the cycle counter), `variables` (the wrapper's own
+  variables) and `distribute` (replicas, multi-worker helpers).
   """
 
   def __init__(self,
@@ -66,8 +68,10 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                sparse_as_dense=False,
                nonfinite_policy=None,
                accumulator_dtype=None,
-               clip_norm=None):
-    """Constructs the wrapper.
+               clip_norm=None,
+               aggregation='mean',
+               micro_batch_weight=None):
+    """Constructs the wrapper. The README's "Usage" details every keyword.
 
     Args:
       opt: the `tf.compat.v1.train.Optimizer` that applies the mean gradient.
@@ -76,38 +80,31 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         across TPU replicas with `tf.compat.v1.tpu.cross_replica_sum` before
         it is applied (TPU only).
       xla_num_partitions: None, or a positive int: annotate accumulator reads
-        with an XLA sharding over that many partitions (see
-        `deferred_grad.sharding`).
+        with an XLA sharding over that many partitions (`sharding`).
       use_tpu: bool; True selects the TPU path described above.
       sparse_as_dense: bool. False (the default) accumulates sparse gradients
-        (`tf.IndexedSlices`, e.g. of an embedding lookup) by scatter-adding
-        the rows they touch and hands the wrapped optimizer an
-        `IndexedSlices` over the rows with a non-zero accumulated gradient,
-        so that it applies its own sparse update. True is the original's
-        behaviour: sparse gradients are densified into the accumulator on
-        every micro-step and applied as dense gradients (to continue an old
-        run exactly as the original would have).
-      nonfinite_policy: what a micro-batch with a NaN or inf gradient does.
-        None (the original's behaviour): it is accumulated like any other and
-        poisons the cycle's update. 'skip_micro_batch': it contributes
-        nothing, and the cycle applies the mean of the finite micro-batches
-        (their sum divided by their count; nothing if there is none).
-        'skip_cycle': the cycle it belongs to applies nothing. Skipped
-        micro-batches and cycles are counted in the variables
-        `skipped_micro_batches` and `skipped_cycles`.
-      accumulator_dtype: None (the variable's dtype, the original's), or a
-        wider float dtype such as tf.float32 to sum half-precision gradients
-        in; the mean is cast back to the variable's dtype when applied.
-      clip_norm: None, or a positive float: clip the accumulated mean
-        gradient to this global norm (`tf.clip_by_global_norm`) just before
-        the wrapped optimizer applies it, as large-batch training would clip
-        the large batch's gradient. Under a multi-replica strategy the norm
-        is the global one, across replicas.
+        (`tf.IndexedSlices`) row by row and hands the wrapped optimizer an
+        `IndexedSlices` over the rows the cycle touched; True densifies
+        them, as the original did.
+      nonfinite_policy: what a micro-batch with a NaN or inf gradient does:
+        None (the original's: it poisons the update), 'skip_micro_batch'
+        (the cycle applies the mean of its finite micro-batches) or
+        'skip_cycle' (the cycle applies nothing). See `numerics`.
+      accumulator_dtype: None (the variable's dtype), or a wider float dtype
+        such as tf.float32 to sum half-precision gradients in.
+      clip_norm: None, or a positive float: clip the cycle's gradient to this
+        global norm (over all replicas) before it is applied.
+      aggregation: 'mean' (the default, the original's) or 'sum': what the
+        cycle applies of its micro-batch gradients. See `aggregation`.
+      micro_batch_weight: None, or a scalar tensor (or a callable returning
+        one, called in `apply_gradients` on each replica): the micro-step's
+        weight, e.g. its token count; the cycle then applies the weighted
+        mean `sum(w_i * g_i) / sum(w_i)` (the weighted sum with 'sum').
 
     Raises:
       TypeError: `opt` is not a `tf.compat.v1.train.Optimizer`, or an argument
         has the wrong type.
-      ValueError: `grad_steps` or `xla_num_partitions` is not positive.
+      ValueError: an argument has a wrong value.
     """
     arguments.check_optimizer(opt)
     grad_steps = arguments.check_positive_int(grad_steps, 'grad_steps')
@@ -125,12 +122,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       xla_num_partitions = arguments.check_positive_int(
           xla_num_partitions, 'xla_num_partitions')
     self._xla_num_partitions = xla_num_partitions
+    self._aggregation, self._micro_batch_weight = aggregation_lib.check(
+        aggregation, micro_batch_weight)
     super(GradientAggregationOptimizer, self).__init__(
         use_locking=False, name='GradientAggregationOptimizer')
     self._opt = opt
     self._grad_steps = grad_steps
-    # (policy, update_count or None) of each train op this wrapper built.
-    self._train_ops = []
+    self._train_ops = []  # the `cycle.TrainOpState` of each train op built
     self.strategy = tf.distribute.get_strategy()
 
   @property
@@ -142,24 +140,56 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def skipped_micro_batches(self):
     """int64 variable: micro-batches a `nonfinite_policy` skipped, or None.
 
-    That of the train op built last; the sum over replicas, updated on each
-    apply step.
+    That of the train op built last; the total over replicas, updated on
+    each apply step.
     """
-    return self._last_policy().skipped_micro_batches
+    return self._last_train_op().policy.skipped_micro_batches
 
   @property
   def skipped_cycles(self):
     """int64 variable: cycles a `nonfinite_policy` applied nothing in."""
-    return self._last_policy().skipped_cycles
+    return self._last_train_op().policy.skipped_cycles
 
-  def _last_policy(self):
+  def applies_update(self):
+    """A boolean tensor: True when this run of the train op ends a cycle.
+
+    Fetch it with the train op (it is computed from the step the train op
+    reads, before it counts the micro-step), or use it in the graph, e.g. to
+    write a summary only on apply steps. That of the train op built last.
+    With a `nonfinite_policy` a cycle may end without applying anything
+    (counted in `skipped_cycles`).
+
+    Raises:
+      ValueError: no train op has been built yet.
+    """
+    state = self._last_train_op()
+    if state.step_value is None:
+      return tf.constant(True)
+    return steps.is_cycle_end(state.step_value, self._grad_steps)
+
+  def micro_step_in_cycle(self):
+    """An integer tensor: the position of this run in its cycle, 0-based.
+
+    See `applies_update`.
+    """
+    state = self._last_train_op()
+    if state.step_value is None:
+      return tf.constant(0, tf.int64)
+    return tf.cast(tf.math.floormod(state.step_value, self._grad_steps),
+                   tf.int64)
+
+  def _last_train_op(self):
     if not self._train_ops:
-      return numerics.policy(None, self._grad_steps)
-    return self._train_ops[-1][0]
+      raise ValueError('No train op has been built with this '
+                       'GradientAggregationOptimizer yet: call minimize or '
+                       'apply_gradients first.')
+    return self._train_ops[-1]
 
   def compute_gradients(self, loss, var_list=None, **kwargs):
     """Delegates to the wrapped optimizer's `compute_gradients`."""
     arguments.check_graph_mode('compute_gradients')
+    distribute.check_replicas(tf.distribute.get_replica_context(),
+                              self._use_tpu, 'compute_gradients')
     return self._opt.compute_gradients(loss, var_list=var_list, **kwargs)
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
@@ -169,7 +199,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       grads_and_vars: list of (gradient, variable) pairs, as returned by
         `compute_gradients`. Pairs whose gradient is None are skipped.
       global_step: optional integer `Variable`, incremented once per call
-        (micro-step). Without it the wrapper counts micro-steps itself.
+        (micro-step) by the wrapper, whatever the wrapped optimizer does with
+        one. Without it the wrapper counts micro-steps itself.
       name: optional name for the returned op; all ops made here live under
         this name scope (default: the optimizer's name).
 
@@ -193,9 +224,6 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                       (global_step,))
     if name is not None and not isinstance(name, six.string_types):
       raise TypeError('name must be None or a string, got %r.' % (name,))
-    if self._grad_steps == 1:
-      return self._apply_directly(grads_and_vars, global_step, name)
-
     present = [(g, v) for g, v in grads_and_vars if g is not None]
     if not present:
       raise ValueError('No gradients provided for any variable: %s.' %
@@ -204,10 +232,10 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     replica_context = tf.distribute.get_replica_context()
     distribute.check_replicas(replica_context, self._use_tpu)
 
-    # Where the original's tf.cond would have put the wrapped optimizer's
-    # non-slot variables (Adam's beta1_power, ...): found before this method
-    # opens its own name scope, so that `name` changes op names only.
-    wrapped_vars_scope = self._wrapped_vars_scope()
+    # Where the wrapped optimizer's non-slot variables go: found before this
+    # method opens its own name scope, so that `name` changes op names only.
+    wrapped_vars_scope = variables_lib.wrapped_vars_scope(self._grad_steps)
+    in_xla = compat.in_xla_context()  # before init_scope, which leaves it
     with tf.init_scope():
       # Which accumulators take (and hand on) sparse gradients is fixed
       # when the graph is built, from the gradients' types. A cross-replica
@@ -217,30 +245,30 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         accumulators = [
             accumulators_lib.create(self._opt, v, g, self._grad_steps, sparse,
                                     self._accumulator_dtype,
-                                    self._xla_num_partitions)
+                                    self._xla_num_partitions, in_xla)
             for g, v in present
         ]
-      policy, counter = self._train_op_state(replica_context, global_step)
+      state = self._train_op_state(replica_context, global_step)
 
     with tf.compat.v1.name_scope(name, self._name) as scope:
-      accumulate = policy.micro_step(
-          [g for g, _ in present],
-          lambda: tf.group(*[a.add(g) for a, (g, _) in zip(accumulators,
-                                                           present)],
-                           name='accumulate'))
+      cycle = cycle_lib.Cycle(
+          self._opt, self._grad_steps, [g for g, _ in present], var_list,
+          accumulators, state,
+          aggregation_lib.weight_tensor(self._micro_batch_weight),
+          self._clip_norm, self._apply_crs_to_grad)
+      accumulate = cycle.micro_step()
       if self._use_tpu:
-        self._create_wrapped_slots(var_list, wrapped_vars_scope)
-        return self._apply_on_tpu(accumulate, policy, accumulators, var_list,
-                                  counter, global_step)
-    step = counter if global_step is None else global_step
+        variables_lib.create_wrapped_slots(self._opt, var_list,
+                                           wrapped_vars_scope)
+        return self._apply_on_tpu(accumulate, cycle, global_step)
+    step = state.counter if global_step is None else global_step
     # The original's GPU path: merge_call outside tf.cond.
     return replica_context.merge_call(
         self._apply_on_cycle_end,
-        args=(accumulate, policy, accumulators, var_list, step,
-              step is counter, wrapped_vars_scope, scope))
+        args=(accumulate, cycle, step, wrapped_vars_scope, scope))
 
   def _train_op_state(self, replica_context, global_step):
-    """This train op's (policy, update_count or None), made once.
+    """This train op's `cycle.TrainOpState`, made once for all replicas.
 
     Call under `tf.init_scope()`. See `variables.train_op_state`.
     """
@@ -250,10 +278,14 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         variables_lib.count_global_step(global_step, self._grad_steps)
       policy = numerics.policy(self._nonfinite_policy, self._grad_steps)
       policy.create_variables()
+      aggregation = aggregation_lib.Aggregation(
+          self._grad_steps, self._aggregation,
+          self._micro_batch_weight is not None)
+      aggregation.create_variables()
       counter = None
-      if self._use_tpu or global_step is None:
+      if self._grad_steps > 1 and (self._use_tpu or global_step is None):
         counter = steps.create_counter()
-      return policy, counter
+      return cycle_lib.TrainOpState(policy, aggregation, counter)
 
     state = variables_lib.train_op_state(replica_context, create)
     if not any(state is own for own in self._train_ops):
@@ -262,163 +294,87 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   # ---------------------------------------------------------------- paths --
 
-  def _apply_on_cycle_end(self, distribution, accumulate, policy,
-                          accumulators, var_list, step, wraps,
+  def _apply_on_cycle_end(self, distribution, accumulate, cycle, step,
                           wrapped_vars_scope, scope):
     """GPU path, cross-replica context: apply on the cycle's last step."""
-    # Strings and ops that differ per replica arrive as PerReplica values.
-    wrapped_vars_scope = distribution.experimental_local_results(
-        wrapped_vars_scope)[0]
-    scope = distribution.experimental_local_results(scope)[0]
+    # Strings, ops and objects that differ per replica arrive as PerReplica.
+    first = lambda value: distribution.experimental_local_results(value)[0]
+    wrapped_vars_scope = tuple(first(part) for part in wrapped_vars_scope)
+    scope = first(scope)
     accumulate = distribution.experimental_local_results(accumulate)
-    self._create_wrapped_slots(var_list, wrapped_vars_scope)
+    # The train op's state and variables are the same on every replica.
+    state, var_list = first(cycle).state, first(cycle).var_list
+    variables_lib.create_wrapped_slots(self._opt, var_list,
+                                       wrapped_vars_scope)
     with tf.compat.v1.name_scope(scope):
-      with tf.control_dependencies(accumulate):
-        step_value = step.read_value()
 
-      def on_each_replica(apply, good):
+      def on_each_replica(apply, scale):
         return distribution.group(distribution.extended.call_for_each_replica(
-            self._apply_and_reset,
-            args=(policy, accumulators, var_list, apply, good)))
+            lambda c: c.apply_and_reset(apply, scale), args=(cycle,)))
 
       def apply_and_advance():
-        applied = self._decide_and_apply(
-            policy,
-            lambda: distribute.sum_over_replicas(distribution,
-                                                 policy.statistics),
+        applied = first(cycle).apply_step(
+            lambda: distribute.sum_over_replicas(
+                distribution, lambda c: c.statistics(), cycle),
             distribution.num_replicas_in_sync, on_each_replica)
+        if step is None:
+          return applied
         with tf.control_dependencies([applied]):
-          return steps.advance(step, step_value, self._grad_steps, wraps)
+          return steps.advance(step, state.step_value, self._grad_steps,
+                               step is state.counter)
 
+      if self._grad_steps == 1:  # every micro-step applies
+        with tf.control_dependencies(accumulate):
+          return apply_and_advance()
+      with tf.control_dependencies(accumulate):
+        state.step_value = step.read_value()
       # Both branches advance the step, so the predicate's read of the step
       # is ordered before its write.
       return compat.cond(
-          steps.is_cycle_end(step_value, self._grad_steps), apply_and_advance,
-          lambda: steps.advance(step, step_value, self._grad_steps, wraps))
+          steps.is_cycle_end(state.step_value, self._grad_steps),
+          apply_and_advance,
+          lambda: steps.advance(step, state.step_value, self._grad_steps,
+                                step is state.counter))
 
-  def _apply_on_tpu(self, accumulate, policy, accumulators, var_list, counter,
-                    global_step):
+  def _apply_on_tpu(self, accumulate, cycle, global_step):
     """TPU path: decide on `update_count`, read before it is incremented."""
-    with tf.control_dependencies([accumulate]):
-      count = counter.read_value()
+    state = cycle.state
 
     def sum_over_cores():
-      statistics = tf.stack(policy.statistics())
+      statistics = tf.stack(cycle.statistics())
       if self._apply_crs_to_grad:
         statistics = tf.compat.v1.tpu.cross_replica_sum(statistics)
       return tf.unstack(statistics)
 
     cores = 1.0
-    if self._apply_crs_to_grad and policy.has_statistics:
+    if self._apply_crs_to_grad and cycle.has_statistics:
       cores = tf.compat.v1.tpu.cross_replica_sum(tf.constant(1.0))
-    applied = compat.cond(
-        steps.is_cycle_end(count, self._grad_steps),
-        lambda: self._decide_and_apply(
-            policy, sum_over_cores, cores,
-            lambda apply, good: self._apply_and_reset(
-                policy, accumulators, var_list, apply, good)),
-        tf.no_op)
-    # The original incremented the counter beside the tf.cond that read it,
-    # with no order between the two: a race under resource variables.
-    with tf.control_dependencies([applied]):
-      advances = [steps.advance(counter, count, self._grad_steps, True)]
-      if global_step is not None:
+
+    def apply_step():
+      return cycle.apply_step(sum_over_cores, cores, cycle.apply_and_reset)
+
+    advances = []
+    if state.counter is None:  # grad_steps=1: every micro-step applies
+      with tf.control_dependencies([accumulate]):
+        applied = apply_step()
+    else:
+      with tf.control_dependencies([accumulate]):
+        state.step_value = state.counter.read_value()
+      applied = compat.cond(
+          steps.is_cycle_end(state.step_value, self._grad_steps), apply_step,
+          tf.no_op)
+      # The original incremented the counter beside the tf.cond that read
+      # it, with no order between the two: a race under resource variables.
+      with tf.control_dependencies([applied]):
+        advances.append(steps.advance(state.counter, state.step_value,
+                                      self._grad_steps, True))
+    if global_step is not None:
+      with tf.control_dependencies([applied]):
         advances.append(steps.advance(global_step, None, self._grad_steps,
                                       False))
-    return tf.group(*advances)
-
-  def _decide_and_apply(self, policy, sum_statistics, replicas,
-                        on_each_replica):
-    """The apply step: the policy decides, then each replica applies or not.
-
-    Args:
-      policy: the train op's non-finite policy.
-      sum_statistics: returns the policy's statistics summed over replicas
-        (the cycle's one exchange between replicas beyond the wrapped
-        optimizer's own all-reduce).
-      replicas: the number of replicas (a number or a scalar tensor).
-      on_each_replica: `fn(apply, good)` building, on every replica, the
-        apply (or, with `apply` False, only the reset) of the accumulators.
-
-    Returns:
-      An op.
-    """
-    if not policy.has_statistics:
-      return on_each_replica(True, None)
-    totals = sum_statistics()
-    apply_now, good = policy.decide(totals, replicas)
-    applied = compat.cond(apply_now, lambda: on_each_replica(True, good),
-                          lambda: on_each_replica(False, None))
-    with tf.control_dependencies([applied]):
-      return tf.group(*policy.count(totals, apply_now))
-
-  def _apply_and_reset(self, policy, accumulators, var_list, apply, good):
-    """On one replica: applies the accumulated mean (if `apply`), then resets.
-
-    Args:
-      policy: the train op's non-finite policy.
-      accumulators: the accumulators, in the order of `var_list`.
-      var_list: the variables.
-      apply: False to only reset (a cycle the policy skips).
-      good: None, or the number of micro-batches per replica that the
-        accumulators hold (the mean divides by it instead of grad_steps).
-
-    Returns:
-      An op.
-    """
-    read = [a.read() for a in accumulators]
-    if not apply:
-      done = tf.no_op()
-    else:
-      grads = read
-      if self._apply_crs_to_grad:
-        grads = [tf.compat.v1.tpu.cross_replica_sum(g) for g in grads]
-      if good is not None:
-        # The accumulators hold sum / grad_steps: the mean over `good`.
-        scale = self._grad_steps / tf.maximum(good, 1.0)
-        grads = [numerics.map_values(g, lambda x: x * tf.cast(scale, x.dtype))
-                 for g in grads]
-      # Clipped after the mean is complete: as large-batch training clips.
-      if self._clip_norm is not None:
-        grads = numerics.clip_by_global_norm(grads, self._clip_norm)
-      grads = [
-          numerics.map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
-          for g, v in zip(grads, var_list)
-      ]
-      done = self._opt.apply_gradients(list(zip(grads, var_list)))
-    with tf.control_dependencies([done]):
-      resets = policy.reset()
-    return tf.group(
-        *(resets + accumulators_lib.reset_all(accumulators, read, done)))
-
-  def _apply_directly(self, grads_and_vars, global_step, name):
-    """grad_steps=1: there is nothing to accumulate."""
-    if self._apply_crs_to_grad:
-      grads_and_vars = [
-          (None if g is None else tf.compat.v1.tpu.cross_replica_sum(
-              tf.convert_to_tensor(g)), v) for g, v in grads_and_vars
-      ]
-    return self._opt.apply_gradients(
-        grads_and_vars, global_step=global_step, name=name)
+    return tf.group(applied, *advances)
 
   # ------------------------------------------------ the wrapped optimizer --
-
-  def _wrapped_vars_scope(self):
-    """Returns the absolute name scope of the wrapped optimizer's variables.
-
-    The original called the wrapped `apply_gradients` inside a `tf.cond`, and
-    optimizers name their non-slot variables after the current name scope. A
-    control flow v2 branch starts at the root scope; a v1 branch is under
-    `<current scope>/cond`, uniquified.
-    """
-    if tf.compat.v1.control_flow_v2_enabled():
-      return ''
-    graph = tf.compat.v1.get_default_graph()
-    return graph.unique_name('cond', mark_as_used=False) + '/'
-
-  def _create_wrapped_slots(self, var_list, scope):
-    with tf.init_scope(), tf.compat.v1.name_scope(scope):
-      self._opt._create_slots(var_list)  # pylint: disable=protected-access
 
   def get_slot(self, *args, **kwargs):
     """Delegates to the wrapped optimizer, which owns every slot."""
@@ -436,8 +392,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     variables = list(self._opt.variables())
     graph = tf.compat.v1.get_default_graph()
-    for policy, counter in self._train_ops:
-      for own in [counter] + policy.variables():
-        if own is not None and getattr(own, 'graph', None) is graph:
-          variables.append(own)
+    for state in self._train_ops:
+      variables.extend(own for own in state.variables()
+                       if getattr(own, 'graph', None) is graph)
     return sorted(variables, key=lambda v: v.name)

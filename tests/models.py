@@ -210,6 +210,76 @@ def linear_gradient(w, x, y, poison):
   return 2.0 / len(x) * x.T.dot(x.dot(w) - y) + np.mean(poison)
 
 
+MAX_TOKENS = 7
+# Tokens per micro-batch: a cycle of 4 micro-batches as in the issue.
+TOKEN_COUNTS = (3, 7, 1, 5)
+
+
+PADDING_ID = 0
+
+
+def make_token_data(cycles, batch, seed=0, padding_id=None):
+  """Token inputs, targets and masks: each MAX_TOKENS rows a micro-batch.
+
+  `batch` is a multiple of MAX_TOKENS; the micro-batches of a cycle hold
+  TOKEN_COUNTS real tokens in turn (rotated every cycle), the rest padding.
+  Returns (x, ids, y, mask): x [cycles, batch, INPUT_DIM] float32, ids
+  [cycles, batch] int32 (rows of the embedding table), y [cycles, batch,
+  OUTPUT_DIM], mask [cycles, batch] float32. With `padding_id`, every
+  padding position looks up that row and no real token does: its gradient
+  is always exactly zero.
+  """
+  rng = np.random.RandomState(seed)
+  x = rng.randn(cycles, batch, INPUT_DIM).astype(np.float32)
+  ids = rng.randint(0, TABLE_ROWS, size=(cycles, batch)).astype(np.int32)
+  y = rng.randn(cycles, batch, OUTPUT_DIM).astype(np.float32)
+  mask = np.zeros([cycles, batch], np.float32)
+  for cycle in range(cycles):
+    for part in range(batch // MAX_TOKENS):
+      count = TOKEN_COUNTS[(part + cycle) % len(TOKEN_COUNTS)]
+      mask[cycle, part * MAX_TOKENS:part * MAX_TOKENS + count] = 1
+  if padding_id is not None:
+    ids[ids == padding_id] = (padding_id + 1) % TABLE_ROWS
+    ids[mask == 0] = padding_id
+  return x, ids, y, mask
+
+
+def token_mean(per_token, mask):
+  """The mean over real tokens (mask 1) of a per-token loss."""
+  return tf.reduce_sum(per_token * mask) / tf.reduce_sum(mask)
+
+
+def token_loss(x, ids, y, mask, sparse=False):
+  """A token-mean loss, as masked-LM losses are; returns (loss, variables).
+
+  Dense: the MLP on each token's features. Sparse: each token's row of the
+  embedding table, projected (the table's gradient is an IndexedSlices).
+  """
+  if sparse:
+    table = tf.compat.v1.get_variable('table',
+                                      initializer=_TABLE.astype(np.float32))
+    projection = tf.compat.v1.get_variable('projection',
+                                           initializer=_PROJECTION)
+    prediction = tf.matmul(tf.nn.embedding_lookup(table, ids), projection)
+    variables = {'table': table, 'projection': projection}
+  else:
+    del ids
+    _, variables = model_loss(x, y)
+    hidden = tf.tanh(tf.matmul(x, variables['w1']) + variables['b1'])
+    prediction = tf.matmul(hidden, variables['w2']) + variables['b2']
+  per_token = tf.reduce_sum(tf.square(prediction - y), axis=1)
+  return token_mean(per_token, mask), variables
+
+
+def token_weight(x, ids, y, mask):
+  """The micro-batch's weight: its number of real tokens."""
+  del x, ids, y
+  return tf.reduce_sum(mask)
+
+
+_TOKEN_INPUTS = [(tf.float32, [None, INPUT_DIM]), (tf.int32, [None]),
+                 (tf.float32, [None, OUTPUT_DIM]), (tf.float32, [None])]
+
 # name -> (make_data, input dtypes and shapes, loss function)
 MODELS = {
     'mlp': (make_data, [(tf.float32, [None, INPUT_DIM]),
@@ -220,4 +290,7 @@ MODELS = {
     'linear': (make_linear_data,
                [(tf.float32, [None, LINEAR_DIM]), (tf.float32, [None, 1]),
                 (tf.float32, [None])], linear_loss),
+    'tokens': (make_token_data, _TOKEN_INPUTS, token_loss),
+    'token_embedding': (make_token_data, _TOKEN_INPUTS,
+                        lambda *inputs: token_loss(*inputs, sparse=True)),
 }

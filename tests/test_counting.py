@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import deferred_grad
 import models
 import training
 from models import make_data
@@ -82,3 +83,60 @@ def test_optimizer_variables_include_update_count(use_tpu):
     expected.append('update_count')
   names = [n.split('/', 1)[1] if n.startswith('cond/') else n for n in names]
   assert sorted(names) == sorted(expected)
+
+
+@pytest.mark.parametrize('use_global_step', [True, False])
+@pytest.mark.parametrize('grad_steps', [1, GRAD_STEPS])
+def test_applies_update_and_position_in_cycle(use_tpu, use_global_step,
+                                              grad_steps):
+  """Fetched with the train op: True exactly on the runs that apply."""
+  trainer = Trainer(models.sgd, grad_steps, use_tpu=use_tpu,
+                    use_global_step=use_global_step)
+  with trainer.graph.as_default():
+    applies = trainer.optimizer.applies_update()
+    position = trainer.optimizer.micro_step_in_cycle()
+  x, y = make_data(3 * grad_steps, models.MICRO_BATCH)
+  with trainer.session() as session:
+    before = session.run(trainer.variables)
+    for step in range(3 * grad_steps):
+      _, applied, where = session.run(
+          [trainer.train_op, applies, position],
+          dict(zip(trainer.inputs, (x[step], y[step]))))
+      after = session.run(trainer.variables)
+      moved = any(not np.array_equal(before[n], after[n]) for n in before)
+      assert applied == moved == (step % grad_steps == grad_steps - 1)
+      assert where == step % grad_steps
+      before = after
+
+
+def test_applies_update_needs_a_train_op():
+  optimizer = deferred_grad.GradientAggregationOptimizer(models.sgd(), 2)
+  with pytest.raises(ValueError, match='No train op has been built'):
+    optimizer.applies_update()
+
+
+def test_summary_written_only_on_apply_steps(use_tpu, tmp_path):
+  """The README's recipe: a summary op under tf.cond(applies_update())."""
+  trainer = Trainer(models.sgd, GRAD_STEPS, use_tpu=use_tpu)
+  with trainer.graph.as_default():
+    learning_rate = tf.constant(0.1)
+    summary = tf.cond(
+        trainer.optimizer.applies_update(),
+        lambda: tf.compat.v1.summary.scalar('learning_rate', learning_rate),
+        lambda: tf.constant(b''))
+    writer = tf.compat.v1.summary.FileWriter(str(tmp_path))
+  x, y = make_data(2 * GRAD_STEPS, models.MICRO_BATCH)
+  with trainer.session() as session:
+    for step in range(2 * GRAD_STEPS):
+      # (Not global_step in the same run: that read is unordered with the
+      # train op's increment.)
+      _, serialized = session.run(
+          [trainer.train_op, summary],
+          dict(zip(trainer.inputs, (x[step], y[step]))))
+      if serialized:
+        writer.add_summary(serialized, step + 1)
+    writer.close()
+  steps = [event.step for path in tmp_path.iterdir()
+           for event in tf.compat.v1.train.summary_iterator(str(path))
+           if event.summary.value]
+  assert steps == [GRAD_STEPS, 2 * GRAD_STEPS]

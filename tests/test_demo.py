@@ -30,3 +30,13 @@ def test_demo_trains_like_the_large_batch():
 def test_example_trains(example):
   first, last = scripts.loss_decrease(run_tool('examples/' + example, *_SMALL))
   assert last < first
+
+
+@run_once_per_version
+def test_bert_porting_example_trains_like_the_large_batch():
+  output = run_tool('examples/bert_porting.py', '--updates=3')
+  assert 'large batch: global_step 3; 4 micro-batches per update: ' \
+      'global_step 12' in output, output
+  difference = float(output.rsplit('largest weight difference:', 1)[1])
+  # BERT's loss adds 1e-5 to the masked-token count (see the example).
+  assert difference < 1e-4, output

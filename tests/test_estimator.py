@@ -5,12 +5,16 @@ order: with the wrapper on micro-batches of MICRO_BATCH, and with the bare
 optimizer on batches GRAD_STEPS (times replicas) larger.
 """
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import deferred_grad
 import models
+import scripts
 import training
 from models import make_data
 
@@ -183,3 +187,110 @@ def test_estimator_mirrored_strategy_resumes_mid_cycle(tmp_path):
                          skip_batches=replicas * stop), max_steps=total)
   assert second.get_variable_value('global_step') == total
   training.assert_same_training([_weights(second)], [_weights(uninterrupted)])
+
+
+def test_summary_only_on_apply_steps(tmp_path, use_tpu):
+  """A model_fn that writes the learning rate only when an update applies."""
+
+  def model_fn(features, labels, mode):
+    loss, _ = models.model_loss(features, labels)
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), GRAD_STEPS,
+        use_tpu=use_tpu)
+    train_op = optimizer.minimize(
+        loss, global_step=tf.compat.v1.train.get_global_step())
+    summary = tf.cond(
+        optimizer.applies_update(),
+        lambda: tf.compat.v1.summary.scalar('learning_rate', 0.1,
+                                            collections=[]),
+        lambda: tf.constant(b''))
+    tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.SUMMARIES, summary)
+    return tf.compat.v1.estimator.EstimatorSpec(mode, loss=loss,
+                                                train_op=train_op)
+
+  model_dir = str(tmp_path / 'summaries')
+  estimator = tf.compat.v1.estimator.Estimator(
+      model_fn, config=tf.compat.v1.estimator.RunConfig(
+          model_dir=model_dir, save_summary_steps=1,
+          log_step_count_steps=10**6))
+  examples = _examples(CYCLES * GRAD_STEPS, models.MICRO_BATCH)
+  estimator.train(_input_fn(examples, models.MICRO_BATCH),
+                  max_steps=CYCLES * GRAD_STEPS)
+  # (Under control flow v1 the tag is cond/learning_rate.)
+  written = [event.step
+             for path in tf.io.gfile.glob(model_dir + '/events.*')
+             for event in tf.compat.v1.train.summary_iterator(path)
+             for value in event.summary.value
+             if value.tag.split('/')[-1] == 'learning_rate']
+  assert sorted(written) == [GRAD_STEPS * (c + 1) for c in range(CYCLES)]
+
+
+def _bert_estimator(model_dir, batch_size, grad_steps, use_tpu=False):
+  """TPUEstimator(use_tpu=False) with tools/examples/bert_porting.py's
+  create_optimizer: before porting (grad_steps None) or after."""
+  sys.path.insert(0, os.path.join(scripts.TOOLS, 'examples'))
+  import bert_porting  # pylint: disable=g-import-not-at-top
+
+  def model_fn(features, labels, mode, params):
+    del labels, params
+    loss = bert_porting.masked_lm_loss(features['ids'], features['labels'],
+                                       features['weights'], epsilon=0.0)
+    if grad_steps is None:
+      train_op = bert_porting.create_optimizer_before(loss,
+                                                      **bert_porting.SCHEDULE)
+    else:
+      train_op = bert_porting.create_optimizer_after(
+          loss, grad_steps=grad_steps, use_tpu=use_tpu,
+          masked_tokens=tf.reduce_sum(features['weights']),
+          **bert_porting.SCHEDULE)
+    return tf.compat.v1.estimator.tpu.TPUEstimatorSpec(mode, loss=loss,
+                                                       train_op=train_op)
+
+  tpu = tf.compat.v1.estimator.tpu
+  return tpu.TPUEstimator(
+      model_fn, config=tpu.RunConfig(
+          model_dir=model_dir, save_summary_steps=None,
+          log_step_count_steps=10**6,
+          tpu_config=tpu.TPUConfig(iterations_per_loop=1)),
+      train_batch_size=batch_size, use_tpu=False), bert_porting
+
+
+def _bert_input_fn(examples, skip_batches=0):
+  ids, labels, weights = examples
+
+  def input_fn(params):
+    return tf.data.Dataset.from_tensor_slices(
+        {'ids': ids, 'labels': labels, 'weights': weights}).batch(
+            params['batch_size'], drop_remainder=True).skip(skip_batches)
+  return input_fn
+
+
+def test_ported_bert_under_tpu_estimator_resumes_mid_cycle(tmp_path, use_tpu):
+  """The porting guide's example as a TPUEstimator model_fn (use_tpu=False):
+  like the large batch, and stopped mid-cycle and resumed, like itself."""
+  micro_batch, updates = 2, 4
+  total = updates * GRAD_STEPS
+  stop = GRAD_STEPS + 1
+  large, bert_porting = _bert_estimator(str(tmp_path / 'large'),
+                                        GRAD_STEPS * micro_batch, None)
+  examples = bert_porting.make_examples(total, micro_batch, (3, 7, 1))
+  large.train(_bert_input_fn(examples), max_steps=updates)
+  whole, _ = _bert_estimator(str(tmp_path / 'whole'), micro_batch,
+                             GRAD_STEPS, use_tpu)
+  whole.train(_bert_input_fn(examples), max_steps=total)
+  model_dir = str(tmp_path / 'resumed')
+  _bert_estimator(model_dir, micro_batch, GRAD_STEPS, use_tpu)[0].train(
+      _bert_input_fn(examples), max_steps=stop)
+  resumed, _ = _bert_estimator(model_dir, micro_batch, GRAD_STEPS, use_tpu)
+  resumed.train(_bert_input_fn(examples, skip_batches=stop), max_steps=total)
+  names = [name for name in large.get_variable_names()
+           if name.startswith('bert/') and '/adam_' not in name]
+  weights = lambda estimator: {n: estimator.get_variable_value(n)
+                               for n in names}
+  assert resumed.get_variable_value('global_step') == total
+  training.assert_same_training([weights(resumed)], [weights(whole)],
+                                rtol=0, atol=0)
+  # Round-off: Adam's update m / sqrt(v) is scale-free, so float32
+  # round-off in a near-zero gradient shows up to ~2e-6 (lr 0.05).
+  training.assert_same_training([weights(whole)], [weights(large)],
+                                atol=1e-5)

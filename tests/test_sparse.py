@@ -169,3 +169,84 @@ def test_sharded_table_accumulator(use_tpu):
       tiles.append(list(proto.tile_assignment_dimensions))
   # projection [4, 3] (micro-step read) and table [24, 4] (apply read).
   assert sorted(tiles) == [[partitions, 1], [partitions, 1]]
+
+
+def _all_variables(graph, session):
+  """Every global variable but the wrapper's own, by name (slots included)."""
+  with graph.as_default():
+    variables = {v.op.name: v for v in tf.compat.v1.global_variables()
+                 if 'GradientAccumulator' not in v.op.name and
+                 v.op.name not in ('global_step', 'update_count')}
+  return session.run(variables)
+
+
+def _padded_data():
+  return models.make_token_data(CYCLES, len(models.TOKEN_COUNTS) *
+                                models.MAX_TOKENS,
+                                padding_id=models.PADDING_ID)
+
+
+@pytest.mark.parametrize('optimizer', ['RMSProp', 'RMSPropMomentum',
+                                       'Adadelta', 'Momentum', 'Ftrl',
+                                       'ProximalAdagrad',
+                                       'ProximalGradientDescent'])
+def test_every_touched_row_is_handed_on(optimizer, use_tpu):
+  """A padding row's gradient is always exactly zero, but it is looked up.
+
+  The large batch's IndexedSlices holds it, so RMSProp and Adadelta decay
+  its slots, Ftrl and the proximal optimizers shrink it: the wrapper must
+  hand it on too (it used to leave out touched rows summing to zero).
+  Weights and every slot of the wrapped optimizer are compared.
+  """
+  make_optimizer = models.OPTIMIZERS[optimizer]
+  data = _padded_data()
+  grad_steps = len(models.TOKEN_COUNTS)
+  large = Trainer(make_optimizer, model='token_embedding')
+  micro = Trainer(make_optimizer, grad_steps, use_tpu=use_tpu,
+                  model='token_embedding', weight_fn=models.token_weight)
+  with large.session() as session:
+    large.run(session, data)
+    expected = _all_variables(large.graph, session)
+  with micro.session() as session:
+    micro.run(session, data)
+    actual = _all_variables(micro.graph, session)
+  assert set(expected) <= set(actual)
+  assert_same_training([{name: actual[name] for name in expected}],
+                       [expected])
+
+
+def test_resume_mid_cycle_with_a_padding_row_is_exact(use_tpu, tmp_path):
+  """A new session mid-cycle hands on the rows it saw and the non-zero ones.
+
+  Every micro-step looks up the padding row, so the resumed cycle still
+  hands it on, and the resumed run equals the uninterrupted one exactly.
+  """
+  x, ids, y, mask = _padded_data()
+  grad_steps = len(models.TOKEN_COUNTS)
+  batches = [part.reshape((-1, models.MAX_TOKENS) + part.shape[2:])
+             for part in (x, ids, y, mask)]
+  stop = grad_steps + 1
+
+  def trainer():
+    return Trainer(models.OPTIMIZERS['Ftrl'], grad_steps, use_tpu=use_tpu,
+                   model='token_embedding', weight_fn=models.token_weight)
+
+  whole = trainer()
+  with whole.session() as session:
+    for step in range(len(batches[0])):
+      whole.micro_step(session, *[b[step] for b in batches])
+    expected = session.run(whole.variables)
+  first = trainer()
+  path = str(tmp_path / 'model')
+  with first.session() as session:
+    for step in range(stop):
+      first.micro_step(session, *[b[step] for b in batches])
+    tf.compat.v1.train.Saver(
+        tf.compat.v1.global_variables()).save(session, path)
+  second = trainer()
+  with second.graph.as_default(), tf.compat.v1.Session() as session:
+    tf.compat.v1.train.Saver().restore(session, path)
+    for step in range(stop, len(batches[0])):
+      second.micro_step(session, *[b[step] for b in batches])
+    resumed = session.run(second.variables)
+  assert_same_training([resumed], [expected], rtol=0, atol=0)

@@ -30,6 +30,8 @@ class Trainer(object):
     model_kwargs: passed to the model's loss function (e.g. with_unused for
       the MLP, partitions for the embedding model).
     device: device (or device function) to build the graph under.
+    weight_fn: None, or a function of the inputs giving the wrapper's
+      `micro_batch_weight` (e.g. models.token_weight).
     **wrapper_kwargs: passed to `GradientAggregationOptimizer`.
   """
 
@@ -41,6 +43,7 @@ class Trainer(object):
                model='mlp',
                model_kwargs=None,
                device=None,
+               weight_fn=None,
                **wrapper_kwargs):
     self.micro_steps = 1 if grad_steps is None else grad_steps
     self.graph = tf.Graph()
@@ -58,6 +61,8 @@ class Trainer(object):
       elif step_tensor in ('auto', 'global_step'):
         step_tensor = self.global_step
       self.optimizer = make_optimizer(step_tensor)
+      if weight_fn is not None:
+        wrapper_kwargs['micro_batch_weight'] = weight_fn(*self.inputs)
       if grad_steps is not None:
         self.optimizer = deferred_grad.GradientAggregationOptimizer(
             self.optimizer, grad_steps, **wrapper_kwargs)
@@ -101,7 +106,8 @@ class MirroredTrainer(Trainer):
   """
 
   def __init__(self, make_optimizer, grad_steps, use_global_step=True,
-               model='mlp', model_kwargs=None, **wrapper_kwargs):
+               model='mlp', model_kwargs=None, weight_fn=None,
+               **wrapper_kwargs):
     # pylint: disable=super-init-not-called
     self.micro_steps = grad_steps
     self.graph = tf.Graph()
@@ -116,15 +122,17 @@ class MirroredTrainer(Trainer):
             tf.compat.v1.placeholder(dtype, [REPLICAS] + shape)
             for dtype, shape in input_specs
         ]
+        if weight_fn is not None:
+          # Called on each replica: the weight of that replica's inputs.
+          wrapper_kwargs['micro_batch_weight'] = lambda: weight_fn(
+              *self._replica_inputs())
         self.optimizer = deferred_grad.GradientAggregationOptimizer(
             make_optimizer(None), grad_steps, **wrapper_kwargs)
         self.variables = {}
 
         def replica_step():
-          replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-          loss, variables = loss_fn(
-              *[tf.gather(part, replica) for part in self.inputs],
-              **(model_kwargs or {}))
+          loss, variables = loss_fn(*self._replica_inputs(),
+                                    **(model_kwargs or {}))
           self.variables.update(variables)
           return self.optimizer.minimize(
               loss / REPLICAS,
@@ -133,6 +141,10 @@ class MirroredTrainer(Trainer):
         self.train_op = self.strategy.group(
             self.strategy.extended.call_for_each_replica(replica_step))
       self.init_op = tf.compat.v1.global_variables_initializer()
+
+  def _replica_inputs(self):
+    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return [tf.gather(part, replica) for part in self.inputs]
 
   def split(self, batch):
     return batch.reshape((REPLICAS, -1) + batch.shape[1:])

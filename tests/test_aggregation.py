@@ -1,0 +1,184 @@
+"""How micro-batches combine: weighted mean (token counts), mean, or sum.
+
+A masked-LM style loss is a mean over a micro-batch's tokens, and micro-
+batches hold different numbers of tokens (3, 7, 1 and 5 here): the plain mean
+of micro-batch means is not the large batch's token mean; weighting each
+micro-batch by its token count is.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import deferred_grad
+import models
+import training
+from training import assert_same_training
+from training import MirroredTrainer
+from training import train
+
+GRAD_STEPS = len(models.TOKEN_COUNTS)
+CYCLES = 3
+OPTIMIZERS = ['GradientDescent', 'Momentum', 'Adam']
+
+
+def _token_data(replicas=1):
+  return models.make_token_data(
+      CYCLES, replicas * GRAD_STEPS * models.MAX_TOKENS)
+
+
+@pytest.mark.parametrize('model', ['tokens', 'token_embedding'])
+@pytest.mark.parametrize('optimizer', OPTIMIZERS)
+def test_weighted_by_tokens_is_the_large_batch_token_mean(optimizer, model,
+                                                          use_tpu):
+  make_optimizer = models.OPTIMIZERS[optimizer]
+  data = _token_data()
+  expected, _, _ = train(make_optimizer, data, model=model)
+  actual, _, _ = train(make_optimizer, data, grad_steps=GRAD_STEPS,
+                       model=model, use_tpu=use_tpu,
+                       weight_fn=models.token_weight)
+  assert_same_training(actual, expected)
+
+
+def test_unweighted_mean_of_token_means_differs(use_tpu):
+  """Guards the test above: without weights the result is another."""
+  data = _token_data()
+  expected, _, _ = train(models.OPTIMIZERS['Momentum'], data, model='tokens')
+  actual, _, _ = train(models.OPTIMIZERS['Momentum'], data,
+                       grad_steps=GRAD_STEPS, model='tokens', use_tpu=use_tpu)
+  with pytest.raises(AssertionError):
+    assert_same_training(actual, expected)
+
+
+@pytest.mark.parametrize('model', ['tokens', 'token_embedding'])
+@pytest.mark.parametrize('optimizer', OPTIMIZERS)
+def test_weights_add_up_over_replicas(optimizer, model):
+  """Each replica its own micro-batch and token count, MirroredStrategy."""
+  make_optimizer = models.OPTIMIZERS[optimizer]
+  data = _token_data(training.REPLICAS)
+  expected, _, _ = train(make_optimizer, data, model=model)
+  trainer = MirroredTrainer(make_optimizer, GRAD_STEPS, model=model,
+                            weight_fn=models.token_weight)
+  with tf.compat.v1.Session(graph=trainer.graph) as session:
+    session.run(trainer.init_op)
+    actual = trainer.run(session, data)
+  assert_same_training(actual, expected)
+
+
+@pytest.mark.parametrize('grad_steps', [1, GRAD_STEPS])
+def test_weights_with_a_policy_and_clipping(grad_steps, use_tpu):
+  """A skipped micro-batch's tokens do not count; the weighted mean is clipped.
+
+  Weights 3, 7, 1, 5 on gradients g_i, the second one non-finite.
+  """
+  gradients = np.array([[1., 2.], [np.nan, 0.], [4., -2.], [0.5, 0.5]],
+                       np.float32)[:grad_steps]
+  weights = np.array([3., 7., 1., 5.], np.float32)[:grad_steps]
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', initializer=np.zeros(2, np.float32))
+    feed = tf.compat.v1.placeholder(tf.float32, [2])
+    weight = tf.compat.v1.placeholder(tf.float32, [])
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(1.0), grad_steps,
+        use_tpu=use_tpu, nonfinite_policy='skip_micro_batch', clip_norm=1.0,
+        micro_batch_weight=weight)
+    train_op = optimizer.apply_gradients([(feed, w)])
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for g, n in zip(gradients, weights):
+        session.run(train_op, {feed: g, weight: n})
+      applied = -session.run(w)
+  expected = np.zeros(2)
+  for start in range(0, len(gradients), grad_steps):
+    g = gradients[start:start + grad_steps]
+    n = weights[start:start + grad_steps]
+    finite = np.all(np.isfinite(g), axis=1)
+    if finite.any():
+      mean = (n[finite, None] * g[finite]).sum(0) / n[finite].sum()
+      expected += mean * min(1.0, 1.0 / np.linalg.norm(mean))
+  np.testing.assert_allclose(applied, expected, rtol=1e-6)
+
+
+def test_zero_weight_cycle_applies_nothing(use_tpu):
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', initializer=np.ones(2, np.float32))
+    feed = tf.compat.v1.placeholder(tf.float32, [2])
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.MomentumOptimizer(1.0, 0.9), 2, use_tpu=use_tpu,
+        micro_batch_weight=tf.constant(0.0))
+    train_op = optimizer.apply_gradients([(feed, w)])
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for _ in range(4):
+        session.run(train_op, {feed: [1.0, 2.0]})
+      np.testing.assert_array_equal(session.run(w), [1.0, 1.0])
+
+
+def _scaled_loss(make_optimizer, factor):
+  """A factory whose optimizers minimize `factor` times the loss."""
+  return models.with_gradient_transform(
+      make_optimizer,
+      lambda pairs: [(g * factor, v) for g, v in pairs])
+
+
+@pytest.mark.parametrize('optimizer', ['GradientDescent', 'Momentum'])
+def test_sum_is_grad_steps_times_the_mean(optimizer, use_tpu):
+  """aggregation='sum' trains as the large batch with the loss times K."""
+  make_optimizer = models.OPTIMIZERS[optimizer]
+  data = models.make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
+  expected, _, _ = train(_scaled_loss(make_optimizer, GRAD_STEPS), data)
+  actual, _, _ = train(make_optimizer, data, grad_steps=GRAD_STEPS,
+                       use_tpu=use_tpu, aggregation='sum')
+  assert_same_training(actual, expected)
+
+
+def test_weighted_sum_is_the_token_sum(use_tpu):
+  """'sum' with token weights: the gradient of the large batch's token sum."""
+  data = _token_data()
+  tokens_per_cycle = sum(models.TOKEN_COUNTS)
+  expected, _, _ = train(_scaled_loss(models.OPTIMIZERS['GradientDescent'],
+                                      tokens_per_cycle), data, model='tokens')
+  actual, _, _ = train(models.OPTIMIZERS['GradientDescent'], data,
+                       grad_steps=GRAD_STEPS, model='tokens', use_tpu=use_tpu,
+                       aggregation='sum', weight_fn=models.token_weight)
+  assert_same_training(actual, expected)
+
+
+def test_sum_with_loss_scaling_outermost():
+  """The loss-scale optimizer unscales each micro-batch before the sum."""
+  data = models.make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
+  expected, _, _ = train(_scaled_loss(models.OPTIMIZERS['GradientDescent'],
+                                      GRAD_STEPS), data)
+
+  def make(step=None):
+    del step
+    return tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+        deferred_grad.GradientAggregationOptimizer(
+            models.OPTIMIZERS['GradientDescent'](None), GRAD_STEPS,
+            aggregation='sum'), 128.0)
+
+  trainer = training.Trainer(make)
+  trainer.micro_steps = GRAD_STEPS
+  with trainer.session() as session:
+    actual = trainer.run(session, data)
+  assert_same_training(actual, expected)
+
+
+@pytest.mark.parametrize('kwargs, error, message', [
+    ({'aggregation': 'average'}, ValueError, 'aggregation must be one of'),
+    ({'micro_batch_weight': 3}, TypeError, 'micro_batch_weight must be None'),
+])
+def test_keywords_are_checked(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), 2, **kwargs)
+
+
+def test_weight_must_be_a_scalar():
+  with tf.Graph().as_default():
+    v = tf.compat.v1.get_variable('v', initializer=[1.0, 2.0])
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), 2,
+        micro_batch_weight=tf.ones([2]))
+    with pytest.raises(ValueError, match='micro_batch_weight must be a scalar'):
+      optimizer.minimize(tf.reduce_sum(v))

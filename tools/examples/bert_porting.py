@@ -1,0 +1,243 @@
+r"""Porting a TF1 training script: BERT's create_optimizer, before and after.
+
+A tiny BERT-like masked language model (2 layers, hidden 32) trained with an
+optimizer written like BERT's `optimization.py`: `AdamWeightDecayOptimizer`
+(it creates its slots with `tf.compat.v1.get_variable` in
+`apply_gradients`, ignores `global_step` and applies weight decay), a linear
+warm-up and decay of the learning rate, global-norm clipping, and the
+script's own `global_step` increment. `create_optimizer_before` is that
+code; `create_optimizer_after` is the same code after the README's porting
+checklist. Run as a script, it trains the model both ways on the same
+examples (a large batch, and `--grad_steps` micro-batches whose masked-token
+counts differ) and prints the largest weight difference.
+
+  python tools/examples/bert_porting.py --grad_steps=4
+"""
+
+import os
+import re
+
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+import deferred_grad
+
+VOCAB, HIDDEN, SEQUENCE, LAYERS = 20, 32, 6, 2
+
+
+class AdamWeightDecayOptimizer(tf.compat.v1.train.Optimizer):
+  """Adam with decoupled weight decay, written as BERT's optimization.py is."""
+
+  def __init__(self, learning_rate, weight_decay_rate=0.01, beta_1=0.9,
+               beta_2=0.999, epsilon=1e-6,
+               exclude_from_weight_decay=('LayerNorm', 'bias'),
+               name='AdamWeightDecayOptimizer'):
+    super(AdamWeightDecayOptimizer, self).__init__(False, name)
+    self.learning_rate = learning_rate
+    self.weight_decay_rate = weight_decay_rate
+    self.beta_1 = beta_1
+    self.beta_2 = beta_2
+    self.epsilon = epsilon
+    self.exclude_from_weight_decay = exclude_from_weight_decay
+
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    """Ignores global_step, as BERT's does: its script counts steps itself."""
+    assignments = []
+    for grad, param in grads_and_vars:
+      if grad is None or param is None:
+        continue
+      param_name = re.match('^(.*):\\d+$', param.name).group(1)
+      m = tf.compat.v1.get_variable(
+          name=param_name + '/adam_m', shape=param.shape.as_list(),
+          dtype=tf.float32, trainable=False,
+          initializer=tf.compat.v1.zeros_initializer())
+      v = tf.compat.v1.get_variable(
+          name=param_name + '/adam_v', shape=param.shape.as_list(),
+          dtype=tf.float32, trainable=False,
+          initializer=tf.compat.v1.zeros_initializer())
+      grad = tf.convert_to_tensor(grad)
+      next_m = self.beta_1 * m + (1.0 - self.beta_1) * grad
+      next_v = self.beta_2 * v + (1.0 - self.beta_2) * tf.square(grad)
+      update = next_m / (tf.sqrt(next_v) + self.epsilon)
+      if not any(word in param_name for word in self.exclude_from_weight_decay):
+        update += self.weight_decay_rate * param
+      assignments.extend([param.assign(param - self.learning_rate * update),
+                          m.assign(next_m), v.assign(next_v)])
+    return tf.group(*assignments, name=name)
+
+
+def learning_rate_schedule(step, init_lr, num_train_steps, num_warmup_steps):
+  """BERT's: linear warm-up, then linear decay to zero, read from `step`."""
+  learning_rate = tf.compat.v1.train.polynomial_decay(
+      init_lr, step, num_train_steps, end_learning_rate=0.0, power=1.0)
+  step = tf.cast(step, tf.float32)
+  is_warmup = tf.cast(step < num_warmup_steps, tf.float32)
+  warmup_learning_rate = init_lr * step / num_warmup_steps
+  return (1.0 - is_warmup) * learning_rate + is_warmup * warmup_learning_rate
+
+
+# ----------------------------------------------------------------- before --
+def create_optimizer_before(loss, init_lr, num_train_steps, num_warmup_steps):
+  """BERT's create_optimizer (its own step increment made ordered)."""
+  global_step = tf.compat.v1.train.get_or_create_global_step()
+  learning_rate = learning_rate_schedule(global_step, init_lr,
+                                         num_train_steps, num_warmup_steps)
+  optimizer = AdamWeightDecayOptimizer(learning_rate)
+  tvars = tf.compat.v1.trainable_variables()
+  grads = tf.gradients(loss, tvars)
+  grads, _ = tf.clip_by_global_norm(grads, clip_norm=1.0)
+  train_op = optimizer.apply_gradients(zip(grads, tvars),
+                                       global_step=global_step)
+  with tf.control_dependencies([train_op]):
+    return global_step.assign_add(1)
+
+
+# ------------------------------------------------------------------ after --
+def create_optimizer_after(loss, init_lr, num_train_steps, num_warmup_steps,
+                           grad_steps, masked_tokens, use_tpu=False):
+  """The same after the porting checklist (README, "Porting a TF1 script").
+
+  num_train_steps and num_warmup_steps count updates, as before. use_tpu
+  picks the wrapper's TPU path (the default is its GPU path).
+  """
+  global_step = tf.compat.v1.train.get_or_create_global_step()
+  updates = deferred_grad.applied_updates(global_step, grad_steps)  # 3.
+  learning_rate = learning_rate_schedule(updates, init_lr,
+                                         num_train_steps, num_warmup_steps)
+  optimizer = deferred_grad.GradientAggregationOptimizer(
+      AdamWeightDecayOptimizer(learning_rate), grad_steps,
+      clip_norm=1.0,                       # 2. clipping moves here
+      micro_batch_weight=masked_tokens,    # 5. a token-mean loss
+      use_tpu=use_tpu)
+  tvars = tf.compat.v1.trainable_variables()
+  grads = tf.gradients(loss, tvars)
+  # 1. The wrapper counts global_step (one per micro-step): no increment.
+  return optimizer.apply_gradients(zip(grads, tvars), global_step=global_step)
+
+
+# ------------------------------------------------------------------ model --
+def masked_lm_loss(ids, labels, label_weights, epsilon=1e-5):
+  """A BERT-like encoder and its masked-LM loss, a mean over masked tokens.
+
+  Args:
+    ids, labels: int32 [batch, SEQUENCE]; label_weights: float32, 1.0 where
+      a token is masked and scored.
+    epsilon: BERT adds 1e-5 to the count of masked tokens. Micro-batches
+      weighted by their counts then differ from the large batch by a
+      relative epsilon / count (2.8e-5 in weights here); 0 makes the two
+      equal to round-off.
+
+  Returns:
+    The loss.
+  """
+  rng = np.random.RandomState(0)
+  embedding = tf.compat.v1.get_variable(
+      'bert/embeddings/word_embeddings',
+      initializer=rng.normal(0, 0.2, [VOCAB, HIDDEN]).astype(np.float32))
+  hidden = tf.nn.embedding_lookup(embedding, ids)
+  for layer in range(LAYERS):
+    with tf.compat.v1.variable_scope('bert/encoder/layer_%d' % layer):
+      kernel = tf.compat.v1.get_variable(
+          'kernel', initializer=rng.normal(
+              0, 0.2, [HIDDEN, HIDDEN]).astype(np.float32))
+      bias = tf.compat.v1.get_variable(
+          'bias', [HIDDEN], initializer=tf.compat.v1.zeros_initializer())
+      gamma = tf.compat.v1.get_variable(
+          'LayerNorm/gamma', [HIDDEN],
+          initializer=tf.compat.v1.ones_initializer())
+      beta = tf.compat.v1.get_variable(
+          'LayerNorm/beta', [HIDDEN],
+          initializer=tf.compat.v1.zeros_initializer())
+      hidden = hidden + tf.tanh(tf.einsum('bsh,hk->bsk', hidden, kernel) +
+                                bias)
+      mean, variance = tf.nn.moments(hidden, axes=[-1], keepdims=True)
+      hidden = (hidden - mean) * tf.math.rsqrt(variance + 1e-6) * gamma + beta
+  logits = tf.einsum('bsh,vh->bsv', hidden, embedding)
+  per_token = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                             logits=logits)
+  return (tf.reduce_sum(label_weights * per_token) /
+          (tf.reduce_sum(label_weights) + epsilon))
+
+
+def make_examples(micro_batches, micro_batch, masked_counts, seed=1):
+  """Ids, labels and masks; micro-batch i masks masked_counts[i % len]."""
+  rng = np.random.RandomState(seed)
+  rows = micro_batches * micro_batch
+  ids = rng.randint(0, VOCAB, size=(rows, SEQUENCE)).astype(np.int32)
+  labels = rng.randint(0, VOCAB, size=(rows, SEQUENCE)).astype(np.int32)
+  weights = np.zeros([rows, SEQUENCE], np.float32)
+  for index in range(micro_batches):
+    flat = weights[index * micro_batch:(index + 1) * micro_batch].reshape(-1)
+    flat[rng.permutation(flat.size)[:masked_counts[index %
+                                                   len(masked_counts)]]] = 1
+  return ids, labels, weights
+
+
+SCHEDULE = dict(init_lr=0.05, num_train_steps=10, num_warmup_steps=2)
+
+
+def build(grad_steps=None, use_tpu=False, epsilon=1e-5):
+  """The graph: grad_steps None is the script before porting.
+
+  Returns:
+    (graph, train op, feeds (ids, labels, label_weights)).
+  """
+  graph = tf.Graph()
+  with graph.as_default():
+    feeds = (tf.compat.v1.placeholder(tf.int32, [None, SEQUENCE]),
+             tf.compat.v1.placeholder(tf.int32, [None, SEQUENCE]),
+             tf.compat.v1.placeholder(tf.float32, [None, SEQUENCE]))
+    loss = masked_lm_loss(*feeds, epsilon=epsilon)
+    if grad_steps is None:
+      train_op = create_optimizer_before(loss, **SCHEDULE)
+    else:
+      train_op = create_optimizer_after(
+          loss, grad_steps=grad_steps, use_tpu=use_tpu,
+          masked_tokens=tf.reduce_sum(feeds[2]), **SCHEDULE)
+  return graph, train_op, feeds
+
+
+def train(examples, batch, runs, grad_steps=None, **kwargs):
+  """Trains from scratch on `runs` batches of `batch` rows of `examples`.
+
+  Returns:
+    ({name: value} of the trainable variables, final global_step).
+  """
+  graph, train_op, feeds = build(grad_steps, **kwargs)
+  with graph.as_default(), tf.compat.v1.Session() as session:
+    session.run(tf.compat.v1.global_variables_initializer())
+    for run in range(runs):
+      rows = slice(run * batch, (run + 1) * batch)
+      session.run(train_op, {feed: part[rows]
+                             for feed, part in zip(feeds, examples)})
+    return (session.run({v.op.name: v
+                         for v in tf.compat.v1.trainable_variables()}),
+            session.run(tf.compat.v1.train.get_global_step()))
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
+flags.DEFINE_integer('micro_batch', 2, 'Sequences per micro-batch.')
+flags.DEFINE_integer('updates', 6, 'Number of updates.')
+
+
+def main(argv):
+  del argv
+  tf.compat.v1.disable_eager_execution()
+  k, micro_batch, updates = FLAGS.grad_steps, FLAGS.micro_batch, FLAGS.updates
+  examples = make_examples(updates * k, micro_batch,
+                           masked_counts=(3, 7, 1, 5))
+  before, step_before = train(examples, k * micro_batch, updates)
+  after, step_after = train(examples, micro_batch, updates * k, k)
+  difference = max(float(np.max(np.abs(before[n] - after[n])))
+                   for n in before)
+  print('large batch: global_step %d; %d micro-batches per update: '
+        'global_step %d' % (step_before, k, step_after))
+  print('largest weight difference: %.3g' % difference)
+
+
+if __name__ == '__main__':
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  app.run(main)
