@@ -1,19 +1,19 @@
 """Gradient accumulators: one kind per kind of gradient.
 
 Each variable that receives a gradient gets an accumulator slot holding the
-sum of the cycle's micro-batch gradients divided by `grad_steps` (the mean
-over a full cycle, as the original kept it, so that its checkpoints restore
-mid-cycle). The three kinds share one small interface:
+sum of the cycle's micro-batch gradients divided by `grad_steps` (the
+original's scale, so that its checkpoints restore mid-cycle). The kinds
+share one small interface:
 
 * `add(gradient)`: a micro-step's op adding `gradient / grad_steps`;
+* `mark()`: run on every micro-step, added or skipped;
 * `read()`: the cycle's accumulated gradient, for the apply step;
-* `reset(after)`: the op that empties the accumulator once the apply step
-  has read it.
+* `reset(after, read)`: empties it for the next cycle, after `after`.
 
-`DenseAccumulator` adds in place with one kernel; `ShardedAccumulator` reads
-through an XLA sharding annotation (`xla_num_partitions`); `SparseAccumulator`
-scatter-adds the rows of a `tf.IndexedSlices` and hands on an
-`tf.IndexedSlices` over the rows the cycle touched.
+`DenseAccumulator` adds and zeroes in place;
+`ShardedAccumulator` reads through an XLA sharding annotation;
+`SparseAccumulator` scatter-adds rows and hands on those the cycle touched;
+`PassThrough` (grad_steps=1) accumulates nothing.
 """
 
 from __future__ import absolute_import
@@ -99,11 +99,13 @@ class _Accumulator(object):
   Args:
     slot: the accumulator variable.
     grad_steps: the number of micro-steps per cycle.
+    in_xla: built inside an XLA computation.
   """
 
-  def __init__(self, slot, grad_steps):
+  def __init__(self, slot, grad_steps, in_xla=False):
     self.slot = slot
     self._grad_steps = grad_steps
+    self._in_xla = in_xla
 
   @property
   def local(self):
@@ -116,7 +118,7 @@ class _Accumulator(object):
 
 
 class DenseAccumulator(_Accumulator):
-  """Accumulates dense gradients in place."""
+  """Accumulates dense gradients in place, and zeroes them in place."""
 
   def _dense(self, gradient):
     if isinstance(gradient, tf.IndexedSlices):
@@ -126,15 +128,8 @@ class DenseAccumulator(_Accumulator):
   def add(self, gradient):
     """accumulator += gradient / grad_steps, in place, in one kernel.
 
-    SGD's kernel with learning rate -1/grad_steps does exactly this, without
-    the temporary that `assign_add(gradient / grad_steps)` allocates and with
-    one op per variable instead of two (`tools/benchmark --suites=step`).
-
-    Args:
-      gradient: a Tensor (or an IndexedSlices, densified).
-
-    Returns:
-      The op.
+    SGD's kernel with learning rate -1/grad_steps: no temporary, one op per
+    variable instead of two (`tools/benchmark --suites=step`).
     """
     gradient = self._dense(gradient)
     variable = self.local
@@ -150,30 +145,19 @@ class DenseAccumulator(_Accumulator):
     """The cycle's accumulated gradient (a Tensor)."""
     return self.local.read_value()
 
-  def reset(self, after, gradient=None):
+  def reset(self, after, gradient):
     """Zeroes the accumulator once `after` has run; returns the op.
 
-    Dense accumulators are reset one after another (each `reset` is given the
-    previous one as `after`): each one's zeros are then allocated after the
-    previous accumulator's old buffer is freed, so the apply step holds at
-    most one variable's worth of new zeros (all at once: 1x the parameter
-    bytes, the peak of the step; `tools/benchmark --suites=memory`).
-
-    Args:
-      after: the op to run first.
-      gradient: what `read` returned (unused: the whole slot is zeroed).
-
-    Returns:
-      The op.
+    With zeros made at run time (see `run_time_zeros`). `reset_all` runs the
+    resets one after another, so that the apply step holds at most one
+    variable's worth of new zeros (all at once: 1x the parameter bytes, the
+    peak of the step; `tools/benchmark --suites=memory`).
     """
     del gradient
     local = self.local
     with tf.control_dependencies([after]):
       return local.assign(run_time_zeros(tf.shape(local), local.dtype),
                           read_value=False)
-
-  # Dense resets are chained; see `reset_all`.
-  chained_reset = True
 
 
 class ShardedAccumulator(DenseAccumulator):
@@ -185,8 +169,8 @@ class ShardedAccumulator(DenseAccumulator):
     num_partitions: `xla_num_partitions`.
   """
 
-  def __init__(self, slot, grad_steps, num_partitions):
-    super(ShardedAccumulator, self).__init__(slot, grad_steps)
+  def __init__(self, slot, grad_steps, num_partitions, in_xla=False):
+    super(ShardedAccumulator, self).__init__(slot, grad_steps, in_xla)
     self._num_partitions = num_partitions
 
   def add(self, gradient):
@@ -230,11 +214,9 @@ class SparseAccumulator(_Accumulator):
   """
 
   def __init__(self, slot, grad_steps, num_partitions=None, in_xla=False):
-    super(SparseAccumulator, self).__init__(slot, grad_steps)
+    super(SparseAccumulator, self).__init__(slot, grad_steps, in_xla)
     self._num_partitions = num_partitions
     self._rows = None
-    # Dense resets are chained (see reset_all); row resets are not.
-    self.chained_reset = in_xla
     if not in_xla:
       local = self.local
       with tf.device(local.device):
@@ -306,7 +288,7 @@ class SparseAccumulator(_Accumulator):
       The op.
     """
     if not isinstance(gradient, tf.IndexedSlices):  # inside XLA
-      return DenseAccumulator.reset(self, after)
+      return DenseAccumulator.reset(self, after, gradient)
     dtype = self.slot.dtype.base_dtype
     with tf.control_dependencies([after]):
       return self.local.scatter_update(
@@ -332,8 +314,6 @@ class PassThrough(object):
   Args:
     sparse: hand on an IndexedSlices as it is (else densified).
   """
-
-  chained_reset = False
 
   def __init__(self, sparse):
     self._sparse = sparse
@@ -385,12 +365,12 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
   if sparse and isinstance(gradient, tf.IndexedSlices):
     return SparseAccumulator(slot, grad_steps, num_partitions, in_xla)
   if num_partitions is None:
-    return DenseAccumulator(slot, grad_steps)
-  return ShardedAccumulator(slot, grad_steps, num_partitions)
+    return DenseAccumulator(slot, grad_steps, in_xla)
+  return ShardedAccumulator(slot, grad_steps, num_partitions, in_xla)
 
 
 def reset_all(accumulators, gradients, after):
-  """Resets every accumulator after `after`; dense ones one after another.
+  """Each accumulator's reset after `after`.
 
   Args:
     accumulators: the accumulators the apply step read.
@@ -400,12 +380,10 @@ def reset_all(accumulators, gradients, after):
   Returns:
     A list of ops.
   """
-  resets = []
   previous = after
+  resets = []
   for accumulator, gradient in zip(accumulators, gradients):
-    if accumulator.chained_reset:
-      previous = accumulator.reset(previous, gradient)
-      resets.append(previous)
-    else:
-      resets.append(accumulator.reset(after, gradient))
+    # One at a time: a transient of a reset is then one variable's.
+    previous = accumulator.reset(previous, gradient)
+    resets.append(previous)
   return resets

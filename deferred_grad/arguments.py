@@ -72,9 +72,39 @@ def check_clip_norm(clip_norm):
 def check_graph_mode(method):
   """Raises a RuntimeError in eager mode or inside a `tf.function`."""
   if tf.compat.v1.executing_eagerly_outside_functions():
+    if compat.keras_major_version() >= 3:
+      alternative = ('the Keras 3 optimizers of this TensorFlow offer '
+                     'gradient_accumulation_steps there')
+    else:
+      alternative = (
+          'the Keras %d optimizers of this TensorFlow (%s) have no gradient '
+          'accumulation: add up the gradients of a tf.GradientTape '
+          'yourself, or use TensorFlow 2.16 or later, whose Keras 3 '
+          'optimizers take gradient_accumulation_steps' %
+          (compat.keras_major_version(), tf.__version__))
     raise RuntimeError(
         'GradientAggregationOptimizer.%s needs TensorFlow 1 style graph mode: '
         'call tf.compat.v1.disable_eager_execution() (or '
         'disable_v2_behavior()) at program start. Eager execution and '
-        'tf.function are not supported; Keras 3 optimizers offer '
-        'gradient_accumulation_steps there.' % method)
+        'tf.function are not supported; %s.' % (method, alternative))
+
+
+def check_cross_replica_sum(apply_crs_to_grad):
+  """Refuses apply_crs_to_grad=True outside a TPU computation.
+
+  `tf.compat.v1.tpu.cross_replica_sum` runs only inside a TPU computation
+  (TPUEstimator(use_tpu=True), `tf.compat.v1.tpu.rewrite`); built for a CPU
+  or GPU it fails at the first `session.run` with "No registered
+  'CrossReplicaSum' OpKernel".
+
+  Raises:
+    ValueError: apply_crs_to_grad=True outside an XLA (TPU) computation.
+  """
+  if apply_crs_to_grad and not compat.in_xla_context():
+    raise ValueError(
+        'apply_crs_to_grad=True sums the accumulated gradients over TPU '
+        'cores with tf.compat.v1.tpu.cross_replica_sum, which runs only '
+        'inside a TPU computation (TPUEstimator(use_tpu=True), '
+        'tf.compat.v1.tpu.rewrite); this train op is built outside one, for '
+        'a CPU or GPU. Pass apply_crs_to_grad=False there, e.g. '
+        'apply_crs_to_grad=use_tpu with the use_tpu you give TPUEstimator.')

@@ -5,8 +5,10 @@ from __future__ import division
 from __future__ import print_function
 
 import re
+import warnings
 
 MIN_TF_VERSION = (2, 15)
+MAX_TESTED_TF_VERSION = (2, 21)
 TESTED_TF_RANGE = '2.15 to 2.21'
 _INSTALL_HINT = (
     'Install one with `pip install "deferred_grad[tf]"` (or '
@@ -38,11 +40,27 @@ def import_tensorflow():
     raise ImportError(
         'deferred_grad needs TensorFlow %s, but TensorFlow could not be '
         'imported (%s). %s' % (TESTED_TF_RANGE, e, _INSTALL_HINT))
-  if _parse_version(tensorflow.__version__) < MIN_TF_VERSION:
+  version = _parse_version(tensorflow.__version__)
+  if version < MIN_TF_VERSION:
     raise ImportError(
         'deferred_grad needs TensorFlow %s; found TensorFlow %s. %s' %
         (TESTED_TF_RANGE, tensorflow.__version__, _INSTALL_HINT))
+  if version > MAX_TESTED_TF_VERSION:
+    # Once per process (the default warnings filter shows a location once).
+    warnings.warn(
+        'deferred_grad is tested with TensorFlow %s; found TensorFlow %s, '
+        'newer: it may work, but it has not been tested.' %
+        (TESTED_TF_RANGE, tensorflow.__version__), stacklevel=2)
   return tensorflow
+
+
+def keras_major_version():
+  """The major version of the Keras `tf.keras` is (2 on TF 2.15, 3 after)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  version = getattr(tf.keras, 'version', None)
+  version = version() if callable(version) else getattr(
+      tf.keras, '__version__', '2')
+  return int(str(version).split('.')[0])
 
 
 def import_xla_sharding():

@@ -101,9 +101,14 @@ class Cycle(object):
     return tf.group(self.state.policy.micro_step(checked, add), *marks)
 
   def statistics(self):
-    """This replica's counts of the cycle (float32 scalars)."""
-    return (self.state.policy.statistics() +
-            self.state.aggregation.statistics())
+    """This replica's counts of the cycle (float32 scalars), copied.
+
+    Copied: under ref variables (v1 behaviour) a read may alias the
+    variable's buffer, which the apply step then resets in place.
+    """
+    counts = (self.state.policy.statistics() +
+              self.state.aggregation.statistics())
+    return tf.unstack(tf.stack(counts)) if counts else []
 
   def apply_step(self, sum_statistics, replicas, on_each_replica):
     """The apply step: decide, then each replica applies (or only resets).

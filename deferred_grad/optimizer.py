@@ -168,17 +168,14 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     return steps.is_cycle_end(state.step_value, self._grad_steps)
 
   def micro_step_in_cycle(self):
-    """An integer tensor: the position of this run in its cycle, 0-based.
-
-    See `applies_update`.
-    """
+    """An int64 tensor: this run's place in its cycle (see applies_update)."""
     state = self._last_train_op()
     if state.step_value is None:
       return tf.constant(0, tf.int64)
     return tf.cast(tf.math.floormod(state.step_value, self._grad_steps),
                    tf.int64)
 
-  def _last_train_op(self):
+  def _last_train_op(self):  # the train op built last
     if not self._train_ops:
       raise ValueError('No train op has been built with this '
                        'GradientAggregationOptimizer yet: call minimize or '
@@ -211,7 +208,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       TypeError: `global_step` is not a `Variable`, or `name` not a string.
       ValueError: `grads_and_vars` is empty, or every gradient is None; or
         `global_step` is counted by another train op of a wrapper in this
-        graph.
+        graph; or `apply_crs_to_grad=True` outside a TPU computation.
       RuntimeError: in eager mode or `tf.function`; or, on the GPU path, in a
         cross-replica context.
     """
@@ -231,6 +228,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     var_list = [v for _, v in present]
     replica_context = tf.distribute.get_replica_context()
     distribute.check_replicas(replica_context, self._use_tpu)
+    arguments.check_cross_replica_sum(self._apply_crs_to_grad)
 
     # Where the wrapped optimizer's non-slot variables go: found before this
     # method opens its own name scope, so that `name` changes op names only.
@@ -313,10 +311,12 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
             lambda c: c.apply_and_reset(apply, scale), args=(cycle,)))
 
       def apply_and_advance():
-        applied = first(cycle).apply_step(
-            lambda: distribute.sum_over_replicas(
+        sum_statistics, replicas = self._over_cores(
+            first(cycle), lambda: distribute.sum_over_replicas(
                 distribution, lambda c: c.statistics(), cycle),
-            distribution.num_replicas_in_sync, on_each_replica)
+            distribution.num_replicas_in_sync)
+        applied = first(cycle).apply_step(sum_statistics, replicas,
+                                          on_each_replica)
         if step is None:
           return applied
         with tf.control_dependencies([applied]):
@@ -340,18 +340,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """TPU path: decide on `update_count`, read before it is incremented."""
     state = cycle.state
 
-    def sum_over_cores():
-      statistics = tf.stack(cycle.statistics())
-      if self._apply_crs_to_grad:
-        statistics = tf.compat.v1.tpu.cross_replica_sum(statistics)
-      return tf.unstack(statistics)
-
-    cores = 1.0
-    if self._apply_crs_to_grad and cycle.has_statistics:
-      cores = tf.compat.v1.tpu.cross_replica_sum(tf.constant(1.0))
-
     def apply_step():
-      return cycle.apply_step(sum_over_cores, cores, cycle.apply_and_reset)
+      sum_statistics, cores = self._over_cores(cycle, cycle.statistics, 1)
+      return cycle.apply_step(sum_statistics, cores, cycle.apply_and_reset)
 
     advances = []
     if state.counter is None:  # grad_steps=1: every micro-step applies
@@ -374,7 +365,17 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                                       False))
     return tf.group(applied, *advances)
 
-  # ------------------------------------------------ the wrapped optimizer --
+  def _over_cores(self, cycle, sum_statistics, replicas):
+    """With apply_crs_to_grad, the statistics and replicas of all TPU cores.
+
+    Returns:
+      (a function summing the cycle's statistics, the number of replicas).
+    """
+    if not (self._apply_crs_to_grad and cycle.has_statistics):
+      return sum_statistics, replicas
+    crs = tf.compat.v1.tpu.cross_replica_sum
+    return (lambda: tf.unstack(crs(tf.stack(sum_statistics()))),
+            replicas * crs(tf.constant(1.0)))
 
   def get_slot(self, *args, **kwargs):
     """Delegates to the wrapped optimizer, which owns every slot."""

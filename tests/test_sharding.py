@@ -15,6 +15,10 @@ from training import assert_same_training
 from training import train
 from deferred_grad import sharding
 
+# pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
+from tensorflow.python.compiler.xla import xla
+# pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
+
 PARTITIONS = 4
 # variable name -> (shape, dimension the rule splits or None)
 SHAPES = {
@@ -26,9 +30,6 @@ SHAPES = {
     'cube': ([2, 8, 3], 1),
     'rank4': ([2, 2, 2, 2], None),
 }
-_VARIABLE_OPS = ('VarHandleOp', 'VariableV2')
-
-
 def _build(use_tpu, **wrapper_kwargs):
   graph = tf.Graph()
   with graph.as_default():
@@ -47,42 +48,41 @@ def _build(use_tpu, **wrapper_kwargs):
   return graph
 
 
-def _read_variable(op):
-  """Name of the variable whose value `op` reads, through reads/identities."""
-  while op.type not in _VARIABLE_OPS:
-    op = op.inputs[0].op
-  return op.name
-
-
-def _sharding_ops(graph):
-  return [op for op in graph.get_operations() if op.type == 'XlaSharding']
-
-
 @pytest.mark.parametrize('partitions', [2, PARTITIONS])
 def test_accumulator_reads_are_split_by_the_rule(use_tpu, partitions):
+  """Each accumulator's read (when a micro-step adds) is annotated by rank.
+
+  The reads sit in the micro-step's tf.cond, a function under control flow
+  v2: every XlaSharding of the graph and its functions is counted.
+  """
   graph = _build(use_tpu, xla_num_partitions=partitions)
-  sharded = {}
-  for op in _sharding_ops(graph):
+  tiles = []
+  for _, attrs in _all_sharding_nodes(graph):
     proto = sharding.xla_sharding.xla_data_pb2.OpSharding()
-    proto.ParseFromString(op.get_attr('sharding'))
-    sharded[_read_variable(op)] = proto
-  expected = {
-      name + '/GradientAccumulator': (shape, dimension)
-      for name, (shape, dimension) in SHAPES.items()
-      if dimension is not None
-  }
-  assert sorted(sharded) == sorted(expected)
-  for accumulator, (shape, dimension) in expected.items():
-    proto = sharded[accumulator]
-    tiles = [1] * len(shape)
-    tiles[dimension] = partitions
+    proto.ParseFromString(attrs['sharding'].s)
     assert proto.type == proto.OTHER
-    assert list(proto.tile_assignment_dimensions) == tiles
     assert list(proto.tile_assignment_devices) == list(range(partitions))
+    tiles.append(list(proto.tile_assignment_dimensions))
+  expected = []
+  for shape, dimension in SHAPES.values():
+    if dimension is not None:
+      tile = [1] * len(shape)
+      tile[dimension] = partitions
+      expected.append(tile)
+  assert sorted(tiles) == sorted(expected)
+
+
+def _all_sharding_nodes(graph):
+  """(op type, attrs) of every XlaSharding node, in graph and functions."""
+  graph_def = graph.as_graph_def()
+  nodes = list(graph_def.node)
+  for function in graph_def.library.function:
+    nodes.extend(function.node_def)
+  return [(node.op, node.attr) for node in nodes if node.op == 'XlaSharding']
 
 
 def test_no_sharding_without_partitions(use_tpu):
-  assert not _sharding_ops(_build(use_tpu))
+  assert not _all_sharding_nodes(_build(use_tpu))
 
 
 def test_split_dimension_rule():
@@ -115,22 +115,44 @@ def _all_ops(graph):
   return [(node.op, list(node.input)) for node in nodes]
 
 
+def _crs_train_op(use_tpu, grad_steps, nonfinite_policy=None):
+  """minimize() with apply_crs_to_grad=True; its variables a, b, c."""
+  variables = [
+      tf.compat.v1.get_variable(name, initializer=np.ones([3], np.float32))
+      for name in ['a', 'b', 'c']
+  ]
+  loss = tf.add_n([tf.reduce_sum(tf.square(v)) for v in variables])
+  return deferred_grad.GradientAggregationOptimizer(
+      tf.compat.v1.train.GradientDescentOptimizer(0.1), grad_steps,
+      apply_crs_to_grad=True, use_tpu=use_tpu,
+      nonfinite_policy=nonfinite_policy).minimize(loss)
+
+
+@pytest.mark.parametrize('policy', [None, 'skip_micro_batch'])
 @pytest.mark.parametrize('grad_steps', [1, 2])
-def test_cross_replica_sum_on_accumulated_gradients(use_tpu, grad_steps):
+def test_cross_replica_sum_on_accumulated_gradients(use_tpu, grad_steps,
+                                                    policy):
+  """Built in an XLA computation, as a TPU's: one sum per gradient.
+
+  CrossReplicaSum runs only on a TPU (not even under xla.compile on CPU),
+  so this reads the graph. With a policy, the cycle's counts are summed
+  over cores too, and the number of cores is counted with one.
+  """
   graph = tf.Graph()
   with graph.as_default():
-    variables = [
-        tf.compat.v1.get_variable(name, initializer=np.ones([3], np.float32))
-        for name in ['a', 'b', 'c']
-    ]
-    loss = tf.add_n([tf.reduce_sum(tf.square(v)) for v in variables])
-    optimizer = deferred_grad.GradientAggregationOptimizer(
-        tf.compat.v1.train.GradientDescentOptimizer(0.1),
-        grad_steps,
-        apply_crs_to_grad=True,
-        use_tpu=use_tpu)
-    optimizer.minimize(loss)
+    xla.compile(lambda: _crs_train_op(use_tpu, grad_steps, policy))
   sums = [op for op, _ in _all_ops(graph) if op == 'CrossReplicaSum']
-  assert len(sums) == len(variables)
+  assert len(sums) == 3 + (2 if policy else 0)
   without = _build(use_tpu)
   assert 'CrossReplicaSum' not in [op for op, _ in _all_ops(without)]
+
+
+@pytest.mark.parametrize('grad_steps', [1, 2])
+def test_cross_replica_sum_outside_a_tpu_computation_raises(use_tpu,
+                                                            grad_steps):
+  """It would fail at the first session.run: "No registered
+  'CrossReplicaSum' OpKernel for 'CPU' devices"."""
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match='apply_crs_to_grad=True .* only '
+                       'inside a TPU computation'):
+      _crs_train_op(use_tpu, grad_steps)

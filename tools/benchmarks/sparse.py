@@ -1,91 +1,131 @@
 """Suite `sparse`: embedding tables of growing size.
 
-An accumulate-only micro-step for embedding tables of 10k, 100k and 1M rows
-by 64, 256 ids per micro-step: sparse (scatter-add) accumulation against the
-original's dense accumulation and against the bare optimizer's step; and a
-whole cycle through the wrapper, per micro-step.
+Tables of 10k, 1M and 10M rows by 64 (float32; 10M rows is 2.5 GB), 256
+looked-up ids per micro-step, SGD, K = --grad_steps. Each (table, variant)
+runs in a fresh process, one after another in one run, so that its peak
+memory is its own:
+
+  bare      the bare optimizer's sparse step;
+  wrapper   whole cycles through the wrapper: the accumulate-only
+            micro-steps and the apply step timed apart, and the whole cycle
+            per micro-step;
+  original  the original module's dense accumulation of the same gradient
+            (tables up to 1M rows: at 10M it allocates a 2.5 GB dense
+            gradient per micro-step).
 """
+
+import json
+import time
 
 from benchmarks import common
 
+import peak_memory  # tools/peak_memory.py
+
 FLAGS = common.FLAGS
-common.flags.DEFINE_list('table_rows', ['10000', '100000', '1000000'],
+common.flags.DEFINE_list('table_rows', ['10000', '1000000', '10000000'],
                          'Sparse suite: embedding table sizes.')
+common.flags.DEFINE_integer('sparse_cycles', 12,
+                            'Sparse suite: timed cycles per variant.')
+
+IDS_PER_STEP, DIM = 256, 64
+ORIGINAL_MAX_ROWS = 1000000
 
 
-def _session(tf, rows, variant, ids_per_step=256, dim=64):
-  """A session and a step function for one variant."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
+def _graph(tf, rows, variant, grad_steps):
+  """The train op and the ids placeholder of one variant."""
   import deferred_grad  # pylint: disable=g-import-not-at-top
+  table = tf.compat.v1.get_variable(
+      'table', [rows, DIM], initializer=tf.compat.v1.zeros_initializer())
+  ids = tf.compat.v1.placeholder(tf.int32, [IDS_PER_STEP])
+  loss = tf.reduce_sum(tf.square(tf.nn.embedding_lookup(table, ids) - 1.0))
+  global_step = tf.compat.v1.train.get_or_create_global_step()
+  sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+  if variant == 'bare':
+    return sgd.minimize(loss, global_step=global_step), ids
+  if variant == 'wrapper':
+    return deferred_grad.GradientAggregationOptimizer(
+        sgd, grad_steps=grad_steps).minimize(loss, global_step=global_step), ids
+  # The original module's dense accumulation of IndexedSlices (no apply).
+  (grad, _), = sgd.compute_gradients(loss, [table])
+  accumulator = tf.compat.v1.get_variable(
+      'accumulator', [rows, DIM],
+      initializer=tf.compat.v1.zeros_initializer(), trainable=False)
+  scaled = tf.IndexedSlices(grad.values / grad_steps, grad.indices,
+                            dense_shape=grad.dense_shape)
+  accumulate = accumulator.assign(accumulator.read_value() + scaled)
+  with tf.control_dependencies([accumulate]):
+    return global_step.assign_add(1), ids
+
+
+def child(spec):
+  """Times one 'rows,variant' in this process; prints JSON."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rows, variant = spec.split(',')
+  rows = int(rows)
+  grad_steps = FLAGS.grad_steps
+  tf = common.import_tf()
   graph = tf.Graph()
   with graph.as_default():
-    table = tf.compat.v1.get_variable(
-        'table', [rows, dim], initializer=tf.compat.v1.zeros_initializer())
-    ids = tf.compat.v1.placeholder(tf.int32, [ids_per_step])
-    loss = tf.reduce_sum(tf.square(tf.nn.embedding_lookup(table, ids) - 1.0))
-    global_step = tf.compat.v1.train.get_or_create_global_step()
-    sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)
-    if variant == 'bare':
-      train_op = sgd.minimize(loss, global_step=global_step)
-    elif variant == 'sparse':
-      # grad_steps so large that every timed step only accumulates.
-      train_op = deferred_grad.GradientAggregationOptimizer(
-          sgd, grad_steps=10**9).minimize(loss, global_step=global_step)
-    elif variant == 'cycle':
-      # Whole cycles, the apply step included.
-      train_op = deferred_grad.GradientAggregationOptimizer(
-          sgd, grad_steps=FLAGS.grad_steps).minimize(
-              loss, global_step=global_step)
-    else:  # the original module's dense accumulation of IndexedSlices
-      (grad, _), = sgd.compute_gradients(loss, [table])
-      accumulator = tf.compat.v1.get_variable(
-          'accumulator', [rows, dim],
-          initializer=tf.compat.v1.zeros_initializer(), trainable=False)
-      scaled = tf.IndexedSlices(grad.values / 10**9, grad.indices,
-                                dense_shape=grad.dense_shape)
-      accumulate = accumulator.assign(accumulator.read_value() + scaled)
-      with tf.control_dependencies([accumulate]):
-        train_op = global_step.assign_add(1)
+    train_op, ids = _graph(tf, rows, variant, grad_steps)
     session = tf.compat.v1.Session(graph=graph)
     session.run(tf.compat.v1.global_variables_initializer())
   rng = np.random.RandomState(0)
-  feeds = [rng.randint(0, rows, size=ids_per_step) for _ in range(64)]
-  counter = [0]
-
-  def run_step():
-    counter[0] += 1
-    session.run(train_op, {ids: feeds[counter[0] % len(feeds)]})
-
-  return session, run_step
+  feeds = [rng.randint(0, rows, size=IDS_PER_STEP) for _ in range(64)]
+  times = []
+  for step in range((FLAGS.sparse_cycles + 2) * grad_steps):
+    start = time.perf_counter()
+    session.run(train_op, {ids: feeds[step % len(feeds)]})
+    times.append(time.perf_counter() - start)
+  times = times[2 * grad_steps:]  # two cycles of warm-up
+  apply_steps = [t for i, t in enumerate(times)
+                 if i % grad_steps == grad_steps - 1]
+  other_steps = [t for i, t in enumerate(times)
+                 if i % grad_steps != grad_steps - 1]
+  print(json.dumps({
+      'step_ms': common.median(times) * 1e3,
+      'accumulate_ms': common.median(other_steps) * 1e3,
+      'apply_ms': common.median(apply_steps) * 1e3,
+      'cycle_per_step_ms': sum(times) / len(times) * 1e3,
+      'peak_rss_mb': peak_memory.peak_rss_mb(),
+  }))
 
 
 def run():
-  tf = common.import_tf()
   rows_list = [int(r) for r in FLAGS.table_rows]
   results = []
   for rows in rows_list:
-    sessions = {}
-    variants = {}
-    for variant in ['sparse', 'cycle', 'dense (original)', 'bare SGD']:
-      kind = variant.split()[0]
-      sessions[variant], variants[variant] = _session(tf, rows, kind)
-    # Whole cycles in every round, for the 'cycle' variant.
-    times = common.time_interleaved(variants, steps=2 * FLAGS.grad_steps)
-    for session in sessions.values():
-      session.close()
-    results.append({'rows': rows, 'ms': {k: v * 1e3 for k, v in times.items()}})
-    print('sparse: %d rows: %s' % (rows, {k: '%.3f ms' % (v * 1e3)
-                                          for k, v in times.items()}),
-          flush=True)
-  smallest = results[0]['ms']['sparse']
+    measured = {}
+    for variant in ['bare', 'wrapper', 'original']:
+      if variant == 'original' and rows > ORIGINAL_MAX_ROWS:
+        continue
+      measured[variant] = common.run_child(
+          'sparse', '%d,%s' % (rows, variant),
+          '--grad_steps=%d' % FLAGS.grad_steps,
+          '--sparse_cycles=%d' % FLAGS.sparse_cycles)
+    results.append({'rows': rows, 'grad_steps': FLAGS.grad_steps,
+                    'ms': measured})
+    print('sparse: %d rows: %s' % (rows, measured), flush=True)
+  smallest = results[0]['ms']['wrapper']
+  rows_out = []
+  for result in results:
+    wrapper, bare = result['ms']['wrapper'], result['ms']['bare']
+    original = result['ms'].get('original')
+    rows_out.append([
+        '{:,}'.format(result['rows']),
+        '%.3f' % wrapper['accumulate_ms'],
+        '%.2fx' % (wrapper['accumulate_ms'] / smallest['accumulate_ms']),
+        '%.3f' % wrapper['apply_ms'],
+        '%.3f' % wrapper['cycle_per_step_ms'],
+        '%.2fx' % (wrapper['cycle_per_step_ms'] /
+                   smallest['cycle_per_step_ms']),
+        '%.3f' % bare['step_ms'],
+        '%.3f' % original['accumulate_ms'] if original else 'not run',
+        '%.0f / %.0f' % (wrapper['peak_rss_mb'], bare['peak_rss_mb']),
+    ])
   table = common.markdown(
-      ['table rows x 64', 'sparse accumulate (ms)', 'vs smallest table',
-       'whole cycle of %d, per micro-step (ms)' % FLAGS.grad_steps,
-       'dense accumulate, original (ms)', 'bare SGD step (ms)',
-       'sparse / bare'],
-      [['{:,}'.format(r['rows']), '%.3f' % r['ms']['sparse'],
-        '%.2fx' % (r['ms']['sparse'] / smallest), '%.3f' % r['ms']['cycle'],
-        '%.3f' % r['ms']['dense (original)'], '%.3f' % r['ms']['bare SGD'],
-        '%.2fx' % (r['ms']['sparse'] / r['ms']['bare SGD'])]
-       for r in results])
+      ['table rows x 64', 'accumulate-only step (ms)', 'vs smallest',
+       'apply step (ms)', 'whole cycle of %d, per micro-step (ms)' %
+       FLAGS.grad_steps, 'vs smallest', 'bare SGD step (ms)',
+       'original\'s dense accumulate (ms)',
+       'peak RSS wrapper / bare (MB)'], rows_out)
   return {'sparse': results}, table
