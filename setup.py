@@ -2,7 +2,9 @@
 
 TensorFlow is not a hard requirement: pick the build you want with an extra,
 `pip install ".[tf]"` (tensorflow) or `pip install ".[tf-cpu]"`
-(tensorflow-cpu), or install TensorFlow yourself first.
+(tensorflow-cpu), or install TensorFlow yourself first. Estimator and
+TPUEstimator users need TensorFlow 2.15, the last with `tf.estimator`:
+`pip install ".[estimator]"` (Python 3.9 to 3.11).
 """
 
 import setuptools
@@ -18,14 +20,24 @@ setuptools.setup(
     python_requires='>=3.9',
     install_requires=['six', 'absl-py'],
     extras_require={
+        # Tested: 2.15 to 2.21; a newer TensorFlow imports with a warning.
         'tf': ['tensorflow>=2.15'],
         'tf-cpu': ['tensorflow-cpu>=2.15'],
+        # tf.estimator (Estimator, TPUEstimator) ends with TensorFlow 2.15,
+        # which has wheels for Python 3.9 to 3.11 only.
+        'estimator': ['tensorflow-cpu==2.15.1; python_version < "3.12"',
+                      'tensorflow-estimator==2.15.0; python_version < "3.12"'],
         'test': ['pytest'],
         'plot': ['matplotlib'],
     },
     license='Apache-2.0',
     classifiers=[
         'Programming Language :: Python :: 3',
+        'Programming Language :: Python :: 3.9',
+        'Programming Language :: Python :: 3.10',
+        'Programming Language :: Python :: 3.11',
+        'Programming Language :: Python :: 3.12',
+        'Programming Language :: Python :: 3.13',
         'License :: OSI Approved :: Apache Software License',
     ],
 )

@@ -111,6 +111,34 @@ def test_gpu_path_refuses_cross_replica_context():
         optimizer.apply_gradients([(tf.ones([2]), v) for v in variables])
 
 
+@pytest.mark.parametrize('call', ['minimize', 'compute_gradients'])
+def test_minimize_outside_the_replica_context_says_where(call):
+  """The usual mistake: minimize() directly under strategy.scope().
+
+  It used to fail deep in TensorFlow ("DistributedVariable.handle is not
+  available outside the replica context").
+  """
+  with tf.Graph().as_default():
+    strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
+    with strategy.scope():
+      variables = _variables()
+      loss = tf.add_n([tf.reduce_sum(v) for v in variables])
+      optimizer = GradientAggregationOptimizer(_sgd(), 2)
+      with pytest.raises(RuntimeError, match=r'compute_gradients \(and '
+                         r'minimize\) must be called in a replica context.*'
+                         'call_for_each_replica'):
+        getattr(optimizer, call)(loss)
+
+
+def test_newer_tensorflow_warns_naming_the_tested_range(monkeypatch):
+  newer = types.ModuleType('tensorflow')
+  newer.__version__ = '2.22.0'
+  monkeypatch.setitem(sys.modules, 'tensorflow', newer)
+  with pytest.warns(UserWarning, match='tested with TensorFlow 2.15 to 2.21; '
+                    'found TensorFlow 2.22.0'):
+    assert compat.import_tensorflow() is newer
+
+
 def test_missing_tensorflow(monkeypatch):
   monkeypatch.setitem(sys.modules, 'tensorflow', None)
   with pytest.raises(ImportError, match='needs TensorFlow 2.15 to 2.21'):

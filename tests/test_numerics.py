@@ -375,3 +375,9 @@ def test_eager_and_tf_function_raise_at_the_first_call(mode, tmp_path):
   assert 'RAISED RuntimeError:' in output, output
   assert ('GradientAggregationOptimizer.apply_gradients needs TensorFlow 1 '
           'style graph mode') in output, output
+  # What fits the installed TensorFlow: Keras 3 (2.16+) accumulates itself.
+  if deferred_grad.compat.keras_major_version() >= 3:
+    assert 'offer gradient_accumulation_steps' in output, output
+  else:
+    assert 'have no gradient accumulation' in output, output
+    assert 'TensorFlow 2.16 or later' in output, output

@@ -8,15 +8,16 @@ process so that their peak memory can be compared:
   (b) `grad_steps` micro-batches of `batch_size / grad_steps` per update,
       through `deferred_grad.GradientAggregationOptimizer`.
 
-It prints both loss curves, the largest weight difference, the peak memory
-(RSS) and the wall time of each run, and exits non-zero if the two runs
-differ beyond round-off. Summing micro-batch means rounds differently from
+It prints the loss of both runs after each update (a table), the largest
+weight difference, the peak memory (RSS) and the wall time of each run, and
+exits non-zero if the two runs differ beyond round-off. --plot=FILE.png also
+draws the two loss curves, their difference and the peak memory of each. Summing micro-batch means rounds differently from
 taking one large mean, and momentum and ReLUs amplify that through training:
 in float32 the runs agree to about 4e-5 after 8 updates, in float64
 (`--dtype=float64`) to about 1e-16, which shows the difference is round-off.
 
-  python tools/demo.py --grad_steps=8 --batch_size=2048 --updates=8
-  python tools/demo.py --plot=losses.png   # needs matplotlib
+  tools/demo --grad_steps=8 --batch_size=2048 --updates=8
+  tools/demo --plot=demo.png   # tools/demo installs matplotlib for it
 """
 
 import json
@@ -43,7 +44,8 @@ flags.DEFINE_float('rtol', None, 'Relative tolerance of the comparison '
                    '(default: 1e-3 for float32, 1e-9 for float64).')
 flags.DEFINE_float('atol', None, 'Absolute tolerance of the comparison '
                    '(default: 1e-4 for float32, 1e-10 for float64).')
-flags.DEFINE_string('plot', None, 'Write both loss curves to this PNG file.')
+flags.DEFINE_string('plot', None, 'Also draw the loss curves, their '
+                    'difference and the peak memory to this PNG file.')
 flags.DEFINE_enum('role', None, ['large', 'micro'],
                   'Internal: run one side and write its results.')
 flags.DEFINE_string('output', None, 'Internal: where the role writes.')
@@ -150,25 +152,55 @@ def run_side(role, output):
   return results
 
 
-def plot(path, large, micro):
+def check_plot_dependency():
+  """Exits before any training if --plot cannot be drawn."""
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
+    import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
-    sys.exit('--plot needs matplotlib: pip install matplotlib '
-             '(or pip install ".[plot]")')
+    sys.exit('--plot needs matplotlib, which this Python lacks. tools/demo '
+             'installs it into its own environment when given --plot; '
+             'running %s directly: pip install matplotlib' % sys.argv[0])
+
+
+def plot(path, large, micro, max_diff):
+  """Draws what the demo shows: same losses, less memory."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  updates = range(1, len(large['losses']) + 1)
-  plt.figure(figsize=(6, 4))
-  plt.plot(updates, large['losses'], 'o-', label='(a) one batch of %d' %
-           FLAGS.batch_size)
-  plt.plot(updates, micro['losses'], 'x--', label='(b) %d micro-batches of %d'
-           % (FLAGS.grad_steps, FLAGS.batch_size // FLAGS.grad_steps))
-  plt.xlabel('update')
-  plt.ylabel('training loss')
-  plt.legend()
-  plt.tight_layout()
-  plt.savefig(path)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  micro_batch = FLAGS.batch_size // FLAGS.grad_steps
+  updates = np.arange(1, len(large['losses']) + 1)
+  figure, (losses, memory) = plt.subplots(
+      1, 2, figsize=(10, 4), gridspec_kw={'width_ratios': [2, 1]})
+  figure.suptitle(
+      '%d micro-batches of %d through GradientAggregationOptimizer train '
+      'like one batch of %d,\nin %.2fx its peak memory (largest weight '
+      'difference %.2g, %s)' % (FLAGS.grad_steps, micro_batch,
+                                FLAGS.batch_size,
+                                micro['peak_rss_mb'] / large['peak_rss_mb'],
+                                max_diff, FLAGS.dtype))
+  losses.plot(updates, large['losses'], 'o-',
+              label='(a) one batch of %d' % FLAGS.batch_size)
+  losses.plot(updates, micro['losses'], 'x--', label='(b) %d x %d' %
+              (FLAGS.grad_steps, micro_batch))
+  losses.set_xticks(updates)
+  losses.set_xlabel('update')
+  losses.set_ylabel('training loss')
+  difference = losses.twinx()
+  difference.semilogy(updates, np.maximum(np.abs(
+      np.array(micro['losses']) - np.array(large['losses'])), 1e-20), 's:',
+                      color='gray', label='|(b) - (a)|')
+  difference.set_ylabel('loss difference')
+  lines = losses.get_legend_handles_labels()
+  more = difference.get_legend_handles_labels()
+  losses.legend(lines[0] + more[0], lines[1] + more[1], loc='upper right')
+  memory.bar(['(a) one batch', '(b) micro-batches'],
+             [large['peak_rss_mb'], micro['peak_rss_mb']],
+             color=['tab:blue', 'tab:orange'])
+  memory.set_ylabel('peak RSS (MB)')
+  figure.tight_layout()
+  figure.subplots_adjust(wspace=0.5)
+  figure.savefig(path)
   print('wrote', path)
 
 
@@ -176,9 +208,15 @@ def main(argv):
   del argv
   if FLAGS.role:
     return run_role(FLAGS.role)
-  if FLAGS.grad_steps < 1 or FLAGS.batch_size % FLAGS.grad_steps:
+  for name in ['grad_steps', 'batch_size', 'updates']:
+    if FLAGS[name].value < 1:
+      sys.exit('--%s must be a positive integer, got %d' %
+               (name, FLAGS[name].value))
+  if FLAGS.batch_size % FLAGS.grad_steps:
     sys.exit('--batch_size (%d) must be a multiple of --grad_steps (%d)' %
              (FLAGS.batch_size, FLAGS.grad_steps))
+  if FLAGS.plot:
+    check_plot_dependency()
   import numpy as np  # pylint: disable=g-import-not-at-top
   rtol, atol = TOLERANCES[FLAGS.dtype]
   rtol = rtol if FLAGS.rtol is None else FLAGS.rtol
@@ -217,7 +255,7 @@ def main(argv):
   print('\nlargest weight difference: %.3g; peak memory (b)/(a): %.2f' %
         (max_diff, micro['peak_rss_mb'] / large['peak_rss_mb']))
   if FLAGS.plot:
-    plot(FLAGS.plot, large, micro)
+    plot(FLAGS.plot, large, micro, max_diff)
   if not (weights_match and losses_match):
     print('FAIL: the runs differ beyond rtol=%g, atol=%g' %
           (rtol, atol))

@@ -1,4 +1,4 @@
-"""Peak resident memory of this process, for the demo and the benchmarks."""
+"""Resident memory of this process, for the demo and the benchmarks."""
 
 import resource
 
@@ -19,3 +19,15 @@ def peak_rss_mb():
     pass
   # Elsewhere (macOS reports bytes, Linux kB): only right for a fresh process.
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb():
+  """This process's resident set size now, in MiB (Linux; else None)."""
+  try:
+    with open('/proc/self/status') as status:
+      for line in status:
+        if line.startswith('VmRSS:'):
+          return int(line.split()[1]) / 1024  # kB
+  except OSError:
+    pass
+  return None

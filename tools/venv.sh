@@ -2,28 +2,29 @@
 # TensorFlow version, with deferred_grad installed from this checkout.
 #
 # DEFERRED_GRAD_CACHE  where the environments live (default ~/.cache/deferred_grad)
-# DEFERRED_GRAD_PYTHON the Python to build them with (default: python3, or for
-#                      TensorFlow 2.15, which has wheels for Python <= 3.11
-#                      only, the first of python3.11/3.10/3.9 found).
+# DEFERRED_GRAD_PYTHON the Python to build them with (default: python3, else
+#                      the first of python3.11/3.10/3.9 that the version has
+#                      wheels for: TensorFlow 2.15 for Python 3.9 to 3.11,
+#                      TensorFlow 2.21 for Python 3.10 to 3.13).
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${DEFERRED_GRAD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/deferred_grad}
 
 _python_minor() { "$1" -c 'import sys; print(sys.version_info[1])' 2>/dev/null; }
 
-# Prints a Python (3.9+) that TensorFlow $1 has wheels for.
+# Prints a Python that TensorFlow $1 has wheels for.
 python_for() {
-  local version=$1 max_minor=99 candidate minor
-  case $version in 2.15.*) max_minor=11 ;; esac
-  for candidate in ${DEFERRED_GRAD_PYTHON:-} python3 python3.11 python3.10 python3.9; do
+  local version=$1 min_minor=10 max_minor=13 candidate minor
+  case $version in 2.15.*) min_minor=9; max_minor=11 ;; esac
+  for candidate in ${DEFERRED_GRAD_PYTHON:-} python3 python3.11 python3.10 python3.12 python3.13 python3.9; do
     command -v "$candidate" >/dev/null 2>&1 || continue
     minor=$(_python_minor "$candidate") || continue
-    if [ -n "$minor" ] && [ "$minor" -ge 9 ] && [ "$minor" -le "$max_minor" ]; then
+    if [ -n "$minor" ] && [ "$minor" -ge "$min_minor" ] && [ "$minor" -le "$max_minor" ]; then
       command -v "$candidate"
       return 0
     fi
   done
-  echo "no Python 3.9-3.$max_minor found for TensorFlow $version; set DEFERRED_GRAD_PYTHON" >&2
+  echo "no Python 3.$min_minor-3.$max_minor found for TensorFlow $version; set DEFERRED_GRAD_PYTHON" >&2
   return 1
 }
 

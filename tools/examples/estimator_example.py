@@ -4,12 +4,15 @@ Only two lines of a model_fn change: wrap the optimizer, and feed schedules
 `applied_updates`. The input_fn yields micro-batches; `max_steps` counts
 micro-steps (global_step), so max_steps = updates * grad_steps. Re-running
 with the same --model_dir resumes, half-accumulated gradients included.
-Needs TensorFlow 2.15 (the last release with tf.estimator).
+The learning rate is written as a summary on apply steps only
+(`applies_update`). Needs TensorFlow 2.15, the last release with
+tf.estimator (`pip install ".[estimator]"`).
 
   python tools/examples/estimator_example.py --grad_steps=4 --updates=20
 """
 
 import os
+import sys
 import tempfile
 
 from absl import app
@@ -28,6 +31,15 @@ flags.DEFINE_string('model_dir', None, 'Checkpoint directory (default: new).')
 TRUE_W = np.random.RandomState(0).randn(8, 1).astype(np.float32)
 
 
+def require_estimator():
+  """Exits with one line when this TensorFlow has no tf.estimator."""
+  if not hasattr(tf.compat.v1, 'estimator'):
+    sys.exit('%s needs TensorFlow 2.15, the last release with tf.estimator; '
+             'this is TensorFlow %s. Install it with pip install '
+             '".[estimator]" (Python 3.9 to 3.11).' %
+             (os.path.basename(__file__), tf.__version__))
+
+
 def input_fn():
   x = np.random.RandomState(1).randn(100000, 8).astype(np.float32)
   dataset = tf.data.Dataset.from_tensor_slices((x, x.dot(TRUE_W)))
@@ -44,12 +56,20 @@ def model_fn(features, labels, mode, params):
       tf.compat.v1.train.MomentumOptimizer(learning_rate, 0.5),
       grad_steps=params['grad_steps'])
   train_op = optimizer.minimize(loss, global_step=global_step)
+  # A summary only when this micro-step applies the update.
+  summary = tf.cond(
+      optimizer.applies_update(),
+      lambda: tf.compat.v1.summary.scalar('learning_rate', learning_rate,
+                                          collections=[]),
+      lambda: tf.constant(b''))
+  tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.SUMMARIES, summary)
   return tf.compat.v1.estimator.EstimatorSpec(mode, loss=loss,
                                               train_op=train_op)
 
 
 def main(argv):
   del argv
+  require_estimator()
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.WARN)
   estimator = tf.compat.v1.estimator.Estimator(
       model_fn,

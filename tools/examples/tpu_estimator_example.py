@@ -1,16 +1,19 @@
 r"""A TPUEstimator model_fn with deferred_grad's TPU path (use_tpu=True).
 
-On a TPU, run with use_tpu=True and a TPU cluster in the RunConfig, and
+On a TPU, run with --use_tpu and a TPU cluster in the RunConfig, and
 combine the cores' gradients either with a CrossShardOptimizer as the wrapped
 optimizer or with apply_crs_to_grad=True (a sum: divide the loss by the
-number of cores), not both. Here
+number of cores), not both. apply_crs_to_grad follows use_tpu: the
+cross-replica sum runs only on a TPU. Without --use_tpu,
 TPUEstimator(use_tpu=False) runs the same model_fn on the CPU. Needs
-TensorFlow 2.15 (the last release with TPUEstimator).
+TensorFlow 2.15, the last release with TPUEstimator
+(`pip install ".[estimator]"`).
 
   python tools/examples/tpu_estimator_example.py --grad_steps=4 --updates=20
 """
 
 import os
+import sys
 import tempfile
 
 from absl import app
@@ -24,8 +27,18 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
 flags.DEFINE_integer('micro_batch', 32, 'Examples per micro-batch.')
 flags.DEFINE_integer('updates', 20, 'Number of updates.')
+flags.DEFINE_bool('use_tpu', False, 'Run on a TPU (needs one in the config).')
 
 TRUE_W = np.random.RandomState(0).randn(8, 1).astype(np.float32)
+
+
+def require_estimator():
+  """Exits with one line when this TensorFlow has no tf.estimator."""
+  if not hasattr(tf.compat.v1, 'estimator'):
+    sys.exit('%s needs TensorFlow 2.15, the last release with tf.estimator; '
+             'this is TensorFlow %s. Install it with pip install '
+             '".[estimator]" (Python 3.9 to 3.11).' %
+             (os.path.basename(__file__), tf.__version__))
 
 
 def input_fn(params):
@@ -40,7 +53,8 @@ def model_fn(features, labels, mode, params):
   optimizer = deferred_grad.GradientAggregationOptimizer(
       tf.compat.v1.train.AdamOptimizer(0.1),
       grad_steps=params['grad_steps'],
-      use_tpu=True)
+      use_tpu=True,                              # the wrapper's TPU path
+      apply_crs_to_grad=params['use_tpu'])       # only on a real TPU
   train_op = optimizer.minimize(
       loss, global_step=tf.compat.v1.train.get_global_step())
   return tf.compat.v1.estimator.tpu.TPUEstimatorSpec(mode, loss=loss,
@@ -49,6 +63,7 @@ def model_fn(features, labels, mode, params):
 
 def main(argv):
   del argv
+  require_estimator()
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.WARN)
   tpu = tf.compat.v1.estimator.tpu
   estimator = tpu.TPUEstimator(
@@ -58,8 +73,8 @@ def main(argv):
           tpu_config=tpu.TPUConfig(iterations_per_loop=FLAGS.grad_steps)),
       train_batch_size=FLAGS.micro_batch,
       eval_batch_size=FLAGS.micro_batch,
-      use_tpu=False,
-      params={'grad_steps': FLAGS.grad_steps})
+      use_tpu=FLAGS.use_tpu,
+      params={'grad_steps': FLAGS.grad_steps, 'use_tpu': FLAGS.use_tpu})
   losses = []
   for _ in range(2):
     estimator.train(input_fn, steps=FLAGS.updates * FLAGS.grad_steps // 2)
