@@ -342,7 +342,7 @@ class PassThrough(object):
 
 
 def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
-           num_partitions=None, in_xla=False):
+           num_partitions=None, in_xla=False, local=None):
   """Creates `variable`'s accumulator of the kind its gradient needs.
 
   Args:
@@ -354,6 +354,8 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
     dtype: `accumulator_dtype`, or None.
     num_partitions: `xla_num_partitions`, or None.
     in_xla: built inside an XLA computation (see SparseAccumulator).
+    local: None, or a `placement.WorkerLocal` (variables on parameter
+      servers): the accumulator is then the worker's own, not a slot.
 
   Returns:
     A `PassThrough` (grad_steps=1), `DenseAccumulator`,
@@ -361,6 +363,9 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
   """
   if grad_steps == 1:
     return PassThrough(sparse)
+  if local is not None:
+    return local.accumulator(variable, gradient, grad_steps, sparse,
+                             dtype or variable.dtype.base_dtype)
   slot = create_slot(opt, variable, dtype)
   if sparse and isinstance(gradient, tf.IndexedSlices):
     return SparseAccumulator(slot, grad_steps, num_partitions, in_xla)

@@ -92,11 +92,11 @@ class Aggregation(object):
   def has_statistics(self):
     return self.weighted
 
-  def create_variables(self):
+  def create_variables(self, local=None):
     if self.weighted:
       with distribute.summed_on_save():
         self.micro_batch_weights = variables.own_variable(
-            'micro_batch_weights', tf.float32)
+            'micro_batch_weights', tf.float32, local=local)
 
   def weigh(self, gradients, weight):
     """The gradients to add: `weight * gradient`, or as they are."""

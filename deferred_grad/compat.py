@@ -93,6 +93,16 @@ def is_ref_variable(variable):
   return variable.dtype != variable.dtype.base_dtype
 
 
+def _source(tensor):
+  """The tensor a branch function captured, through nested branches."""
+  while True:
+    outer = {id(inner): outer for outer, inner in getattr(
+        tensor.graph, 'captures', ())}.get(id(tensor))
+    if outer is None:
+      return tensor
+    tensor = outer
+
+
 def run_cond_as_function(graph, ops_before):
   """Keeps the control flow v2 `If` ops made since `ops_before` unlowered.
 
@@ -112,7 +122,8 @@ def run_cond_as_function(graph, ops_before):
   for op in graph.get_operations()[len(ops_before):]:
     if op.type not in ('If', 'StatelessIf'):
       continue
-    devices = {x.op.device for x in op.inputs if x.dtype == tf.resource}
+    devices = {_source(x).op.device for x in op.inputs
+               if x.dtype == tf.resource}
     if len(devices) <= 1:
       op._set_attr('_lower_using_switch_merge',  # pylint: disable=protected-access
                    attr_value_pb2.AttrValue(b=False))

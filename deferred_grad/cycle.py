@@ -23,6 +23,7 @@ from six.moves import zip
 from deferred_grad import accumulators as accumulators_lib
 from deferred_grad import compat
 from deferred_grad import numerics
+from deferred_grad import steps
 
 tf = compat.import_tensorflow()
 
@@ -47,6 +48,18 @@ class TrainOpState(object):
   def variables(self):
     own = [self.counter] if self.counter is not None else []
     return own + self.policy.variables() + self.aggregation.variables()
+
+  def applies_update(self, grad_steps):
+    """True when this run ends a cycle (always, with grad_steps=1)."""
+    if self.step_value is None:
+      return tf.constant(True)
+    return steps.is_cycle_end(self.step_value, grad_steps)
+
+  def micro_step_in_cycle(self, grad_steps):
+    """This run's place in its cycle, an int64 tensor."""
+    if self.step_value is None:
+      return tf.constant(0, tf.int64)
+    return tf.cast(tf.math.floormod(self.step_value, grad_steps), tf.int64)
 
 
 class Cycle(object):
@@ -109,6 +122,24 @@ class Cycle(object):
     counts = (self.state.policy.statistics() +
               self.state.aggregation.statistics())
     return tf.unstack(tf.stack(counts)) if counts else []
+
+  def over_cores(self, sum_statistics, replicas):
+    """With apply_crs_to_grad, the statistics and replicas of all TPU cores.
+
+    Args:
+      sum_statistics: returns `statistics()` summed over this strategy's
+        replicas.
+      replicas: their number.
+
+    Returns:
+      (a function summing the statistics, the number of replicas), over
+      TPU cores too when the gradients are summed over them.
+    """
+    if not (self._apply_crs_to_grad and self.has_statistics):
+      return sum_statistics, replicas
+    crs = tf.compat.v1.tpu.cross_replica_sum
+    return (lambda: tf.unstack(crs(tf.stack(sum_statistics()))),
+            replicas * crs(tf.constant(1.0)))
 
   def apply_step(self, sum_statistics, replicas, on_each_replica):
     """The apply step: decide, then each replica applies (or only resets).

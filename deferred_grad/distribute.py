@@ -13,25 +13,33 @@ tf = compat.import_tensorflow()
 COLLECTIVE_GRAPH_KEY = 20190101
 
 
-def collective_run_options(graph_key=COLLECTIVE_GRAPH_KEY):
-  """`RunOptions` that keep multi-worker collectives in lockstep.
+def collective_run_options(graph_key=COLLECTIVE_GRAPH_KEY,
+                           timeout_seconds=600):
+  """`RunOptions` that keep multi-worker collectives in lockstep, bounded.
 
   Under `MultiWorkerMirroredStrategy` in graph mode, a distributed session
-  takes collective step ids from a sequence per graph key. Micro-steps that
-  only accumulate run no collective, and without a fixed key the workers'
-  ids drift apart until the all-reduce of an apply step never matches: a
-  hang. Pass these options to every `session.run` of the training loop,
-  after running `collective_barrier()` with them once; every worker must
-  make the same number of runs.
+  takes collective step ids from a sequence per graph key, one per run made
+  with that key. Micro-steps that only accumulate run no collective, and
+  without a fixed key the workers' ids drift apart until the all-reduce of
+  an apply step never matches: a hang. Pass these options to the runs of
+  the train op (after running `collective_barrier()` with them once), the
+  same number on every worker, and to no other run: a read or a log with
+  them on one worker alone moves its sequence on, and the workers'
+  collectives no longer match.
 
   Args:
     graph_key: the collective graph key, the same on every worker.
+    timeout_seconds: None, or a bound on each run: a run that waits longer
+      (for a worker that made another number of runs, or died) fails with
+      `tf.errors.DeadlineExceededError` instead of hanging.
 
   Returns:
     A `tf.compat.v1.RunOptions`.
   """
   options = tf.compat.v1.RunOptions()
   options.experimental.collective_graph_key = graph_key
+  if timeout_seconds is not None:
+    options.timeout_in_ms = int(timeout_seconds * 1000)
   return options
 
 
@@ -59,8 +67,23 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
     method: the name of the method called, for the message.
 
   Raises:
-    RuntimeError: the GPU path in a cross-replica context.
+    RuntimeError: the GPU path in a cross-replica context; or the
+      multi-worker `ParameterServerStrategy` of `tf.compat.v1.distribute`.
   """
+  strategy = tf.distribute.get_strategy()
+  if ('ParameterServerStrategy' in type(strategy).__name__ and
+      in_multi_worker_mode(strategy)):
+    # It places every variable, the accumulators and counters included, on
+    # the ps tasks: all workers would add into one accumulator and count
+    # one cycle (see `placement` for the layout that works).
+    raise RuntimeError(
+        'GradientAggregationOptimizer does not support %s with parameter '
+        'servers: it would place the accumulators on the ps tasks, shared by '
+        'every worker, and train wrongly. Build the model under '
+        'tf.compat.v1.train.replica_device_setter instead (an Estimator with '
+        'ps tasks in TF_CONFIG and no train_distribute does): each worker '
+        'then accumulates its own micro-batches (README, "Parameter '
+        'servers").' % type(strategy).__name__)
   if not use_tpu and replica_context is None:
     raise RuntimeError(
         'GradientAggregationOptimizer.%s (and minimize) must be called in a '
@@ -131,3 +154,40 @@ def sum_over_replicas(distribution, values_fn, *args):
   summed = distribution.reduce(tf.distribute.ReduceOp.SUM, per_replica,
                                axis=None)
   return tf.unstack(summed)
+
+
+def plain_global_step_read(global_step):
+  """Gives hooks a read of `global_step` that needs no other worker.
+
+  Hooks (`StopAtStepHook`, `CheckpointSaverHook`, ...) and loops fetch the
+  tensor that `tf.compat.v1.train` caches for reading the global step:
+  `cond(is_initialized, read, initial_value)`. Under
+  `MultiWorkerMirroredStrategy` a variable's initial value is broadcast from
+  worker 0, and the broadcast sits upstream of that `cond`, so every fetch
+  of it runs a collective. When one worker makes one more such run than
+  the other (a hook that reads the step just before stopping, a chief that
+  logs it), the workers' collectives no longer match: both hang at the next
+  all-reduce. Under a multi-worker strategy this caches a plain read
+  instead, once the variable exists (the session initializes it before any
+  hook runs).
+
+  Args:
+    global_step: the global step variable given to `apply_gradients`.
+  """
+  strategy = tf.distribute.get_strategy()
+  if not in_multi_worker_mode(strategy):
+    return
+  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
+  from tensorflow.python.training import training_util
+  # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
+  graph = tf.compat.v1.get_default_graph()
+  cached = graph.get_collection_ref(training_util.GLOBAL_STEP_READ_KEY)
+  if cached and getattr(cached[0], '_deferred_grad_plain', False):
+    return
+  with tf.init_scope(), graph.name_scope(None):
+    with graph.name_scope(global_step.op.name + '/'):
+      read = tf.identity(compat.local_variable(global_step).read_value(),
+                         name='plain_read')
+  read._deferred_grad_plain = True  # pylint: disable=protected-access
+  del cached[:]
+  cached.append(read)

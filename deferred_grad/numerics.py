@@ -59,8 +59,8 @@ class KeepNonfinite(object):
   skipped_micro_batches = None
   skipped_cycles = None
 
-  def create_variables(self):
-    pass
+  def create_variables(self, local=None):
+    del local
 
   def micro_step(self, gradients, accumulate):
     del gradients
@@ -109,14 +109,15 @@ class _SkipNonfinite(KeepNonfinite):
     self._grad_steps = grad_steps
     self.good_micro_batches = None
 
-  def create_variables(self):
+  def create_variables(self, local=None):
     with distribute.summed_on_save():
       self.good_micro_batches = variables.own_variable(
-          'good_micro_batches', tf.float32)
+          'good_micro_batches', tf.float32, local=local)
       self.nonfinite_micro_batches = variables.own_variable(
-          'nonfinite_micro_batches', tf.float32)
+          'nonfinite_micro_batches', tf.float32, local=local)
     total = lambda name: variables.own_variable(  # pylint: disable=g-long-lambda
-        name, tf.int64, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        name, tf.int64, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        local=local)
     self.skipped_micro_batches = total('skipped_micro_batches')
     self.skipped_cycles = total('skipped_cycles')
 

@@ -13,6 +13,7 @@ from deferred_grad import compat
 from deferred_grad import cycle as cycle_lib
 from deferred_grad import distribute
 from deferred_grad import numerics
+from deferred_grad import placement
 from deferred_grad import steps
 from deferred_grad import variables as variables_lib
 
@@ -162,18 +163,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     Raises:
       ValueError: no train op has been built yet.
     """
-    state = self._last_train_op()
-    if state.step_value is None:
-      return tf.constant(True)
-    return steps.is_cycle_end(state.step_value, self._grad_steps)
+    return self._last_train_op().applies_update(self._grad_steps)
 
   def micro_step_in_cycle(self):
     """An int64 tensor: this run's place in its cycle (see applies_update)."""
-    state = self._last_train_op()
-    if state.step_value is None:
-      return tf.constant(0, tf.int64)
-    return tf.cast(tf.math.floormod(state.step_value, self._grad_steps),
-                   tf.int64)
+    return self._last_train_op().micro_step_in_cycle(self._grad_steps)
 
   def _last_train_op(self):  # the train op built last
     if not self._train_ops:
@@ -209,8 +203,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       ValueError: `grads_and_vars` is empty, or every gradient is None; or
         `global_step` is counted by another train op of a wrapper in this
         graph; or `apply_crs_to_grad=True` outside a TPU computation.
-      RuntimeError: in eager mode or `tf.function`; or, on the GPU path, in a
-        cross-replica context.
+      RuntimeError: in eager mode or `tf.function`; on the GPU path in a
+        cross-replica context; under a multi-worker ParameterServerStrategy.
     """
     arguments.check_graph_mode('apply_gradients')
     grads_and_vars = tuple(grads_and_vars)
@@ -234,21 +228,23 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     # method opens its own name scope, so that `name` changes op names only.
     wrapped_vars_scope = variables_lib.wrapped_vars_scope(self._grad_steps)
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
-    with tf.init_scope():
-      # Which accumulators take (and hand on) sparse gradients is fixed
-      # when the graph is built, from the gradients' types. A cross-replica
-      # sum needs the same shape on every core: dense.
-      sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
-      with distribute.summed_on_save():
-        accumulators = [
-            accumulators_lib.create(self._opt, v, g, self._grad_steps, sparse,
-                                    self._accumulator_dtype,
-                                    self._xla_num_partitions, in_xla)
-            for g, v in present
-        ]
-      state = self._train_op_state(replica_context, global_step)
-
     with tf.compat.v1.name_scope(name, self._name) as scope:
+      # Variables on parameter servers: the state is the worker's own.
+      worker = placement.worker_device(var_list)
+      local = placement.WorkerLocal(worker) if worker else None
+      with tf.init_scope():
+        # Which accumulators take (and hand on) sparse gradients is fixed
+        # when the graph is built, from the gradients' types. A cross-replica
+        # sum needs the same shape on every core: dense.
+        sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
+        with distribute.summed_on_save():
+          accumulators = [
+              accumulators_lib.create(
+                  self._opt, v, g, self._grad_steps, sparse,
+                  self._accumulator_dtype, self._xla_num_partitions, in_xla,
+                  local) for g, v in present
+          ]
+        state = self._train_op_state(replica_context, global_step, local)
       cycle = cycle_lib.Cycle(
           self._opt, self._grad_steps, [g for g, _ in present], var_list,
           accumulators, state,
@@ -259,30 +255,36 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         variables_lib.create_wrapped_slots(self._opt, var_list,
                                            wrapped_vars_scope)
         return self._apply_on_tpu(accumulate, cycle, global_step)
-    step = state.counter if global_step is None else global_step
+    # The cycle is decided on the step the train op counts, or on its own.
+    step = global_step if state.counter is None else state.counter
+    also = global_step if step is not global_step else None
     # The original's GPU path: merge_call outside tf.cond.
     return replica_context.merge_call(
         self._apply_on_cycle_end,
-        args=(accumulate, cycle, step, wrapped_vars_scope, scope))
+        args=(accumulate, cycle, step, also, wrapped_vars_scope, scope))
 
-  def _train_op_state(self, replica_context, global_step):
+  def _train_op_state(self, replica_context, global_step, local):
     """This train op's `cycle.TrainOpState`, made once for all replicas.
 
-    Call under `tf.init_scope()`. See `variables.train_op_state`.
+    Call under `tf.init_scope()`. See `variables.train_op_state`; `local` is
+    a `placement.WorkerLocal` or None.
     """
 
     def create():
+      own_counter = self._grad_steps > 1 and (
+          self._use_tpu or global_step is None or local is not None)
       if global_step is not None:
         variables_lib.count_global_step(global_step, self._grad_steps)
+        distribute.plain_global_step_read(global_step)
       policy = numerics.policy(self._nonfinite_policy, self._grad_steps)
-      policy.create_variables()
+      policy.create_variables(local)
       aggregation = aggregation_lib.Aggregation(
           self._grad_steps, self._aggregation,
           self._micro_batch_weight is not None)
-      aggregation.create_variables()
+      aggregation.create_variables(local)
       counter = None
-      if self._grad_steps > 1 and (self._use_tpu or global_step is None):
-        counter = steps.create_counter()
+      if own_counter:
+        counter = steps.create_counter(local)
       return cycle_lib.TrainOpState(policy, aggregation, counter)
 
     state = variables_lib.train_op_state(replica_context, create)
@@ -292,9 +294,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   # ---------------------------------------------------------------- paths --
 
-  def _apply_on_cycle_end(self, distribution, accumulate, cycle, step,
+  def _apply_on_cycle_end(self, distribution, accumulate, cycle, step, also,
                           wrapped_vars_scope, scope):
-    """GPU path, cross-replica context: apply on the cycle's last step."""
+    """GPU path, cross-replica context: apply on the cycle's last step.
+
+    The cycle is decided on `step`; `also` (a global step, or None) counts
+    the micro-step too.
+    """
     # Strings, ops and objects that differ per replica arrive as PerReplica.
     first = lambda value: distribution.experimental_local_results(value)[0]
     wrapped_vars_scope = tuple(first(part) for part in wrapped_vars_scope)
@@ -311,8 +317,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
             lambda c: c.apply_and_reset(apply, scale), args=(cycle,)))
 
       def apply_and_advance():
-        sum_statistics, replicas = self._over_cores(
-            first(cycle), lambda: distribute.sum_over_replicas(
+        sum_statistics, replicas = first(cycle).over_cores(
+            lambda: distribute.sum_over_replicas(
                 distribution, lambda c: c.statistics(), cycle),
             distribution.num_replicas_in_sync)
         applied = first(cycle).apply_step(sum_statistics, replicas,
@@ -330,18 +336,22 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         state.step_value = step.read_value()
       # Both branches advance the step, so the predicate's read of the step
       # is ordered before its write.
-      return compat.cond(
+      done = compat.cond(
           steps.is_cycle_end(state.step_value, self._grad_steps),
           apply_and_advance,
           lambda: steps.advance(step, state.step_value, self._grad_steps,
                                 step is state.counter))
+      if also is None:
+        return done
+      with tf.control_dependencies([done]):
+        return steps.advance(also, None, self._grad_steps, False)
 
   def _apply_on_tpu(self, accumulate, cycle, global_step):
     """TPU path: decide on `update_count`, read before it is incremented."""
     state = cycle.state
 
     def apply_step():
-      sum_statistics, cores = self._over_cores(cycle, cycle.statistics, 1)
+      sum_statistics, cores = cycle.over_cores(cycle.statistics, 1)
       return cycle.apply_step(sum_statistics, cores, cycle.apply_and_reset)
 
     advances = []
@@ -365,17 +375,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                                       False))
     return tf.group(applied, *advances)
 
-  def _over_cores(self, cycle, sum_statistics, replicas):
-    """With apply_crs_to_grad, the statistics and replicas of all TPU cores.
-
-    Returns:
-      (a function summing the cycle's statistics, the number of replicas).
-    """
-    if not (self._apply_crs_to_grad and cycle.has_statistics):
-      return sum_statistics, replicas
-    crs = tf.compat.v1.tpu.cross_replica_sum
-    return (lambda: tf.unstack(crs(tf.stack(sum_statistics()))),
-            replicas * crs(tf.constant(1.0)))
+  # ------------------------------------------------ the wrapped optimizer --
 
   def get_slot(self, *args, **kwargs):
     """Delegates to the wrapped optimizer, which owns every slot."""

@@ -20,7 +20,7 @@ tf = compat.import_tensorflow()
 COUNTER_NAME = 'update_count'
 
 
-def create_counter():
+def create_counter(local=None):
   """Creates the `update_count` variable.
 
   It counts micro-steps modulo `grad_steps`: an unbounded float32 counter
@@ -34,7 +34,7 @@ def create_counter():
   """
   return variables.own_variable(
       COUNTER_NAME, tf.float32,
-      aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+      aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA, local=local)
 
 
 def is_cycle_end(step_value, grad_steps):
@@ -50,7 +50,7 @@ def advance(step, step_value, grad_steps, wraps):
     step_value: its value read before this micro-step (used if `wraps`).
     grad_steps: micro-steps per cycle.
     wraps: True for `update_count`, which wraps around at `grad_steps`; a
-      global step counts on.
+      global step counts on (atomically: workers may share it).
 
   Returns:
     The op.
@@ -58,6 +58,9 @@ def advance(step, step_value, grad_steps, wraps):
   if wraps:
     next_value = tf.math.floormod(step_value + 1, grad_steps)
     return step.assign(next_value, read_value=False)
+  if compat.is_ref_variable(step):
+    # Locked: workers sharing the step on a parameter server add at once.
+    return tf.compat.v1.assign_add(step, 1, use_locking=True).op
   return step.assign_add(1, read_value=False)
 
 

@@ -90,7 +90,7 @@ def train_op_state(replica_context, create):
 
 
 def own_variable(name, dtype, initial_value=0,
-                 aggregation=tf.VariableAggregation.NONE):
+                 aggregation=tf.VariableAggregation.NONE, local=None):
   """Creates a scalar variable named `name` in the current variable scope.
 
   Call it under `tf.init_scope()`. The name is made unique in the graph.
@@ -100,12 +100,16 @@ def own_variable(name, dtype, initial_value=0,
     dtype: its dtype.
     initial_value: its initial (and reset) value.
     aggregation: how a multi-replica strategy aggregates writes.
+    local: None (a global variable), or a `placement.WorkerLocal`.
 
   Returns:
-    The variable (global, not trainable).
+    The variable (not trainable).
   """
   scope = tf.compat.v1.get_variable_scope().name
   full_name = scope + '/' + name if scope else name
+  if local is not None:
+    return local.variable(full_name, lambda: tf.constant(initial_value, dtype),
+                          dtype)
   # name_scope(None): the variable scope's name, not the current name
   # scope's, as `tf.compat.v1.get_variable` (the original's) names it; the
   # graph appends _1, _2, ... when the name is taken.

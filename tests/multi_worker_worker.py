@@ -5,12 +5,21 @@ set. MODE is 'session' (a raw Session), 'monitored'
 (MonitoredTrainingSession, is_chief=True on every worker) or 'estimator'
 (Estimator + train_and_evaluate; TF_CONFIG names a chief and a worker); or a
 `nonfinite_policy` ('skip_micro_batch', 'skip_cycle'): a raw Session where
-worker 1's part of micro-step BAD_STEP has a NaN target. Each worker feeds
+worker 1's part of micro-step BAD_STEP has a NaN target; 'extra_read': a raw
+Session where worker 0 alone also reads the global step as hooks do, once,
+mid-training; 'monitored_stop': MonitoredTrainingSession with a
+StopAtStepHook, looping until it stops; 'uneven': worker 0 makes one more
+run with the collective options than worker 1 (a mistake: it must fail within
+the options' timeout, not hang); 'monitored_resume': MonitoredTrainingSession
+stopped at a cycle boundary and started again on the same checkpoint_dir,
+which only worker 0 writes. Each worker feeds
 its half of every micro-batch and writes its final weights (and, with a raw
 Session, the executed collectives per micro-step) to OUTPUT.npz.
 """
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -20,6 +29,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import behavior  # the TF behaviour of the tests, set before any graph
+from tensorflow.python.training import training_util  # pylint: disable=g-direct-tensorflow-import
 import deferred_grad
 import models
 
@@ -59,6 +69,18 @@ class _SaveWeightsHook(tf.compat.v1.train.SessionRunHook):
              **session.run(self._variables))
 
 
+class _FinalWeights(tf.compat.v1.train.SessionRunHook):
+  """Reads the variables when MonitoredTrainingSession ends (it refuses
+  runs once a hook has asked it to stop)."""
+
+  def __init__(self, variables):
+    self._variables = variables
+    self.weights = None
+
+  def end(self, session):
+    self.weights = session.run(self._variables)
+
+
 def estimator_main(output):
   """Estimator + train_and_evaluate: the chief and the worker both train.
 
@@ -93,6 +115,70 @@ def estimator_main(output):
       tf.estimator.EvalSpec(input_fn, steps=1))
 
 
+def _build(strategy, policy=None):
+  """The model and its train op, under `strategy.scope()` in a new graph.
+
+  Returns:
+    (global_step, x, y, {name: variable}, train_op, the wrapper).
+  """
+  global_step = tf.compat.v1.train.get_or_create_global_step()
+  x = tf.compat.v1.placeholder(tf.float32, [None, models.INPUT_DIM])
+  y = tf.compat.v1.placeholder(tf.float32, [None, models.OUTPUT_DIM])
+  optimizer = deferred_grad.GradientAggregationOptimizer(
+      models.OPTIMIZERS['Momentum'](None), GRAD_STEPS,
+      nonfinite_policy=policy)
+  variables = {}
+
+  def replica_step():
+    loss, model = models.model_loss(x, y)
+    variables.update(model)
+    return optimizer.minimize(loss / WORKERS, global_step=global_step)
+
+  train_op = strategy.group(
+      strategy.extended.call_for_each_replica(replica_step))
+  return global_step, x, y, variables, train_op, optimizer
+
+
+def _monitored_resume(strategy, server, config, task, x_data, y_data,
+                      checkpoint_dir):
+  """Two MonitoredTrainingSessions on one checkpoint_dir; returns weights.
+
+  The first stops at a cycle boundary (StopAtStepHook); only worker 0 saves
+  (the others pass no save_checkpoint_* schedule), and both restore.
+  """
+  stop = 2 * GRAD_STEPS
+  for last_step in (stop, len(x_data)):
+    if task != 0 and last_step == len(x_data):
+      # Restore only once worker 0 has written the checkpoint.
+      deadline = time.time() + 60
+      while (tf.train.latest_checkpoint(checkpoint_dir) or '').split(
+          '-')[-1] != str(stop):
+        assert time.time() < deadline, 'no checkpoint from worker 0'
+        time.sleep(0.2)
+    with tf.Graph().as_default(), strategy.scope():
+      global_step, x, y, variables, train_op, _ = _build(strategy)
+      barrier = deferred_grad.collective_barrier(strategy)
+      options = deferred_grad.collective_run_options()
+      # Worker 0 saves (every cycle); the others only restore.
+      saving = dict(save_checkpoint_steps=GRAD_STEPS if task == 0 else None)
+      final = _FinalWeights(variables)
+      with tf.compat.v1.train.MonitoredTrainingSession(
+          master=server.target, config=config, is_chief=True,
+          checkpoint_dir=checkpoint_dir,
+          hooks=[tf.compat.v1.train.StopAtStepHook(last_step=last_step),
+                 final],
+          save_checkpoint_secs=None, save_summaries_steps=None,
+          save_summaries_secs=None, log_step_count_steps=None,
+          **saving) as session:
+        session.run(barrier, options=options)
+        step = session.run(global_step)
+        while not session.should_stop():
+          session.run(train_op, {x: x_data[step], y: y_data[step]},
+                      options=options)
+          step += 1
+  return final.weights
+
+
 def main(output, mode, delay):
   time.sleep(delay)
   if mode == 'estimator':
@@ -110,35 +196,31 @@ def main(output, mode, delay):
   if policy and task == BAD_TASK:
     y_data[BAD_STEP, 0, 0] = np.nan
   with tf.Graph().as_default(), strategy.scope():
-    global_step = tf.compat.v1.train.get_or_create_global_step()
-    x = tf.compat.v1.placeholder(tf.float32, [None, models.INPUT_DIM])
-    y = tf.compat.v1.placeholder(tf.float32, [None, models.OUTPUT_DIM])
-    optimizer = deferred_grad.GradientAggregationOptimizer(
-        models.OPTIMIZERS['Momentum'](None), GRAD_STEPS,
-        nonfinite_policy=policy)
-    variables = {}
-
-    def replica_step():
-      loss, model = models.model_loss(x, y)
-      variables.update(model)
-      return optimizer.minimize(loss / WORKERS, global_step=global_step)
-
-    train_op = strategy.group(
-        strategy.extended.call_for_each_replica(replica_step))
+    global_step, x, y, variables, train_op, optimizer = _build(strategy,
+                                                               policy)
     barrier = deferred_grad.collective_barrier(strategy)
-    options = deferred_grad.collective_run_options()
+    options = deferred_grad.collective_run_options(
+        timeout_seconds=20 if mode == 'uneven' else 600)
 
     def feeds():
       for x_value, y_value in zip(x_data, y_data):
         yield {x: x_value, y: y_value}
 
     collectives = []  # executed Collective* ops per micro-step
-    if mode != 'monitored':
+    # What hooks fetch to read the step (StopAtStepHook, a chief's logging).
+    hook_read = training_util._get_or_create_global_step_read()  # pylint: disable=protected-access
+    if mode == 'monitored_resume':
+      pass  # graphs of its own, below
+    elif mode not in ('monitored', 'monitored_stop'):
       session = tf.compat.v1.Session(server.target, config=config)
       session.run(tf.compat.v1.global_variables_initializer())
       session.run(barrier, options=options)
       options.trace_level = tf.compat.v1.RunOptions.FULL_TRACE
-      for feed in feeds():
+      for step, feed in enumerate(feeds()):
+        if mode == 'extra_read' and step == 6 and task == 0:
+          session.run(hook_read)  # worker 0 only, as a hook does: no options
+        if mode == 'uneven' and step == 4 and task == 0:
+          session.run(barrier, options=options)  # worker 0 only: refused
         metadata = tf.compat.v1.RunMetadata()
         session.run(train_op, feed, options=options, run_metadata=metadata)
         collectives.append(sum(
@@ -151,17 +233,35 @@ def main(output, mode, delay):
         weights['skipped'] = session.run(
             [optimizer.skipped_micro_batches, optimizer.skipped_cycles])
     else:
+      final = _FinalWeights(variables)
+      hooks = [final]
+      if mode == 'monitored_stop':
+        hooks.append(tf.compat.v1.train.StopAtStepHook(
+            last_step=len(x_data)))
       # Every worker runs the collective initializers: all are chiefs.
       with tf.compat.v1.train.MonitoredTrainingSession(
-          master=server.target, config=config, is_chief=True,
+          master=server.target, config=config, is_chief=True, hooks=hooks,
           save_checkpoint_secs=None, save_summaries_steps=None,
           save_summaries_secs=None, log_step_count_steps=None) as session:
         session.run(barrier, options=options)
-        for feed in feeds():
-          session.run(train_op, feed, options=options)
-        weights = session.run(variables)
+        batches = list(feeds())
+        if mode == 'monitored_stop':
+          step = 0
+          while not session.should_stop():
+            session.run(train_op, batches[step], options=options)
+            step += 1
+        else:
+          for feed in batches:
+            session.run(train_op, feed, options=options)
+      weights = final.weights
+  if mode == 'monitored_resume':
+    weights = _monitored_resume(strategy, server, config, task, x_data, y_data,
+                                os.path.join(os.path.dirname(output), 'ckpt'))
   np.savez(output, collectives=np.array(collectives, np.int64), **weights)
 
 
 if __name__ == '__main__':
+  # The test's watchdog sends SIGUSR1 before killing a worker that hangs:
+  # every thread's Python stack goes to the log it shows.
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
   main(sys.argv[1], sys.argv[2], float(sys.argv[3]))

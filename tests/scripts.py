@@ -12,6 +12,14 @@ import behavior
 TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
                      'tools')
 
+# The benchmarks' helpers that tests share: free_ports, and the ps traffic
+# measurement that tests/test_parameter_servers.py checks.
+sys.path.insert(0, TOOLS)
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from benchmarks.cluster import bytes_into_ps  # pylint: disable=unused-import
+from benchmarks.cluster import free_ports  # pylint: disable=unused-import
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
 # Scripts under tools/ set their own TensorFlow behaviour: run them once per
 # TensorFlow version, in the v2 pass of the test runner.
 run_once_per_version = pytest.mark.skipif(

@@ -8,15 +8,17 @@ DEFERRED_GRAD_TF_BEHAVIOR, so both behaviours are tested.
 
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import models
+import scripts
 import training
 from models import make_data
 from training import assert_same_training
@@ -26,21 +28,41 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       'multi_worker_worker.py')
 WORKERS = 2
 GRAD_STEPS = 3  # as in multi_worker_worker.py
-WORKER_TIMEOUT = 180
+# A worker pair's whole run, bounded; DEFERRED_GRAD_WORKER_TIMEOUT overrides.
+WORKER_TIMEOUT = int(os.environ.get('DEFERRED_GRAD_WORKER_TIMEOUT', 180))
 
 
-def _free_ports(count):
-  sockets = [socket.socket() for _ in range(count)]
-  try:
-    for s in sockets:
-      s.bind(('127.0.0.1', 0))
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
+def _wait_or_dump_stacks(processes, timeout):
+  """Each process's output; on a hang, fails with every worker's stacks.
+
+  The watchdog: a worker still running after `timeout` seconds (all
+  together) gets SIGUSR1, on which it writes every thread's Python stack to
+  its log (see multi_worker_worker.py), and is then killed.
+  """
+  deadline = time.time() + timeout
+  logs = []
+  for process in processes:
+    try:
+      logs.append(process.communicate(
+          timeout=max(1, deadline - time.time()))[0])
+    except subprocess.TimeoutExpired:
+      for hung in processes:
+        if hung.poll() is None:
+          hung.send_signal(signal.SIGUSR1)
+      time.sleep(3)
+      stacks = []
+      for index, hung in enumerate(processes):
+        if hung.poll() is None:
+          hung.kill()
+        output = hung.communicate()[0] or ''
+        stacks.append('--- worker %d (rc %s), last of its log:\n%s' % (
+            index, hung.returncode, output[-4000:]))
+      raise AssertionError('workers still running after %d s (a hang?):\n%s'
+                           % (timeout, '\n'.join(stacks)))
+  return logs
 
 
-def _run_workers(tmp_path, mode, delays):
+def _run_workers(tmp_path, mode, delays, check=True):
   """Runs the workers to the end; returns each one's final weights.
 
   Estimator needs a chief: its TF_CONFIG names one chief and one worker.
@@ -50,7 +72,7 @@ def _run_workers(tmp_path, mode, delays):
   else:
     tasks = [('worker', index) for index in range(WORKERS)]
   cluster = {}
-  for (task_type, _), port in zip(tasks, _free_ports(WORKERS)):
+  for (task_type, _), port in zip(tasks, scripts.free_ports(WORKERS)):
     cluster.setdefault(task_type, []).append('127.0.0.1:%d' % port)
   outputs = [os.path.join(str(tmp_path), 'worker%d.npz' % i)
              for i in range(WORKERS)]
@@ -63,12 +85,14 @@ def _run_workers(tmp_path, mode, delays):
           [sys.executable, WORKER, output, mode, str(delay)], env=env,
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
           universal_newlines=True))
-    logs = [p.communicate(timeout=WORKER_TIMEOUT)[0] for p in processes]
+    logs = _wait_or_dump_stacks(processes, WORKER_TIMEOUT)
   finally:
     for process in processes:
       if process.poll() is None:
         process.kill()
         process.wait()
+  if not check:
+    return [(process.returncode, log) for process, log in zip(processes, logs)]
   for process, log in zip(processes, logs):
     assert process.returncode == 0, log[-3000:]
   return [dict(np.load(output)) for output in outputs]
@@ -107,6 +131,11 @@ def _large_batch_without(bad_step, bad_task, policy):
     ('session', [0, 0]),
     ('session', [0, 1]),  # one worker a second late
     ('monitored', [0, 0]),
+    # Used to hang: a hook-style read of the step on one worker ran the
+    # initial value's broadcast; StopAtStepHook makes such a read.
+    ('extra_read', [0, 0]),
+    ('monitored_stop', [0, 0]),
+    ('monitored_resume', [0, 0]),  # at a cycle boundary; worker 0 saves
 ])
 def test_workers_train_like_one_large_batch(tmp_path, mode, delays):
   expected = _large_batch()
@@ -157,3 +186,18 @@ def test_policy_across_workers(tmp_path, policy, skipped_cycles):
     assert_same_training([weights], [expected])
     apply_steps = np.arange(len(counts)) % GRAD_STEPS == GRAD_STEPS - 1
     assert np.all(counts[~apply_steps] == 0), counts
+
+
+def test_uneven_runs_fail_within_the_timeout_instead_of_hanging(tmp_path):
+  """Worker 0 makes one run with the collective options more than worker 1.
+
+  That breaks the rule (the same number of such runs on every worker): the
+  options' timeout (20 s here) turns the hang it caused into
+  DeadlineExceededError on both workers.
+  """
+  start = time.time()
+  for returncode, log in _run_workers(tmp_path, 'uneven', [0, 0],
+                                      check=False):
+    assert returncode != 0, log[-3000:]
+    assert 'DeadlineExceededError' in log, log[-3000:]
+  assert time.time() - start < WORKER_TIMEOUT

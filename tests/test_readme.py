@@ -193,6 +193,40 @@ with tf.compat.v1.Session() as session:
     'def model_fn(features, labels, mode):': dict(
         skip='needs a chief and a worker process: tests/test_multi_worker.py '
              'runs this recipe (TensorFlow 2.15)'),
+    'cluster = tf.train.ClusterSpec({\'ps\': [...], \'worker\': [...]})': dict(
+        # One ps and one worker server in this process.
+        before='''
+import socket
+import numpy as np
+import tensorflow as tf
+import deferred_grad
+sockets = [socket.socket() for _ in range(2)]
+for s in sockets:
+  s.bind(('127.0.0.1', 0))
+addresses = ['127.0.0.1:%d' % s.getsockname()[1] for s in sockets]
+for s in sockets:
+  s.close()
+task_index = 0
+''',
+        replace={
+            "{'ps': [...], 'worker': [...]}":
+                "{'ps': addresses[:1], 'worker': addresses[1:]})\n"
+                "ps_server = tf.distribute.Server(cluster, 'ps', 0)\n"
+                "server = tf.distribute.Server(cluster, 'worker', 0",
+            '  loss = ...': "  loss = tf.reduce_sum(tf.square("
+                            "tf.compat.v1.get_variable('w', initializer="
+                            "[1.0, -2.0])))",
+            'is_chief=task_index == 0)':
+                'is_chief=task_index == 0, '
+                'hooks=[tf.compat.v1.train.StopAtStepHook(last_step=16)])',
+        },
+        after='''
+assert all(v.device.startswith('/job:worker')
+           for v in tf.compat.v1.local_variables())
+assert tf.compat.v1.local_variables()
+with tf.compat.v1.Session(server.target) as session:
+  assert session.run(global_step) == 16
+'''),
     'opt = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(':
         dict(before=_MODEL, after='''
 train_op = opt.minimize(loss, global_step=global_step)

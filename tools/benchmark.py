@@ -25,6 +25,7 @@ from benchmarks import common
 from benchmarks import keras
 from benchmarks import memory
 from benchmarks import multiworker
+from benchmarks import parameter_servers
 from benchmarks import sparse
 from benchmarks import step
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -35,6 +36,7 @@ SUITES = {
     'keras': keras,
     'sparse': sparse,
     'multiworker': multiworker,
+    'parameter_servers': parameter_servers,
 }
 
 FLAGS = flags.FLAGS

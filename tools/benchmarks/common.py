@@ -146,16 +146,3 @@ def training_session(tf, build_loss, batch, optimizer, grad_steps):
     session = tf.compat.v1.Session(graph=graph)
     session.run(tf.compat.v1.global_variables_initializer())
   return session, train_op, parameters
-
-
-def free_ports(count):
-  """`count` free TCP ports on 127.0.0.1."""
-  import socket  # pylint: disable=g-import-not-at-top
-  sockets = [socket.socket() for _ in range(count)]
-  try:
-    for s in sockets:
-      s.bind(('127.0.0.1', 0))
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()

@@ -11,6 +11,7 @@ import os
 import subprocess
 import time
 
+from benchmarks import cluster
 from benchmarks import common
 
 WIDTHS = [1024, 4096, 4096]  # 21M parameters: 84 MB all-reduced
@@ -60,12 +61,12 @@ def child(spec):
 
 def _run_workers(spec):
   """Both workers of one configuration; the slower one's seconds per batch."""
-  cluster = {'worker': ['127.0.0.1:%d' % p for p in common.free_ports(2)]}
+  addresses = {'worker': ['127.0.0.1:%d' % p for p in cluster.free_ports(2)]}
   processes = [
       subprocess.Popen(
           common.child_command('multiworker', spec),
           env=dict(os.environ, TF_CONFIG=json.dumps(
-              {'cluster': cluster,
+              {'cluster': addresses,
                'task': {'type': 'worker', 'index': index}})),
           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
           universal_newlines=True) for index in range(2)]
