@@ -35,21 +35,58 @@ def check_bool(value, arg_name):
   return value
 
 
+_SYNC_REPLICAS = (
+    'SyncReplicasOptimizer does not compose with GradientAggregationOptimizer: '
+    'it aggregates gradients across workers round by round on the chief and '
+    'drops stale ones, so cycles of micro-batches would not match. On '
+    'parameter servers each worker already accumulates its own micro-batches '
+    '(README, "Parameter servers"); for synchronous training across workers '
+    'use MultiWorkerMirroredStrategy (README, "Multi-worker").')
+
+
 def check_optimizer(opt):
-  """Raises a TypeError unless `opt` is a `tf.compat.v1.train.Optimizer`."""
+  """Raises a TypeError unless `opt` is a `tf.compat.v1.train.Optimizer`.
+
+  `SyncReplicasOptimizer` is refused too (see `check_not_synced`).
+  """
   if not isinstance(opt, tf.compat.v1.train.Optimizer):
     raise TypeError(
         'opt must be a tf.compat.v1.train.Optimizer (e.g. '
         'tf.compat.v1.train.AdamOptimizer), got %r of type %s.' %
         (opt, type(opt).__name__))
+  if isinstance(opt, tf.compat.v1.train.SyncReplicasOptimizer):
+    raise TypeError('opt is a ' + _SYNC_REPLICAS)
   return opt
+
+
+# The ops by which SyncReplicasOptimizer hands its wrapped optimizer the
+# gradients aggregated across workers.
+_AGGREGATED = ('AccumulatorTakeGradient', 'ResourceAccumulatorTakeGradient',
+               'SparseAccumulatorTakeGradient')
+
+
+def check_not_synced(gradients):
+  """Raises a ValueError if `gradients` come from a SyncReplicasOptimizer.
+
+  Args:
+    gradients: the gradients given to `apply_gradients` (None skipped).
+  """
+  for gradient in gradients:
+    tensor = getattr(gradient, 'values', gradient)
+    if tensor is not None and tensor.op.type in _AGGREGATED:
+      raise ValueError('GradientAggregationOptimizer is wrapped by a ' +
+                       _SYNC_REPLICAS)
 
 
 def check_accumulator_dtype(dtype):
   """Returns None or a float `tf.DType`, or raises naming the argument."""
   if dtype is None:
     return None
-  dtype = tf.as_dtype(dtype)
+  try:
+    dtype = tf.as_dtype(dtype)
+  except TypeError:
+    raise TypeError('accumulator_dtype must be None or a float dtype such '
+                    'as tf.float32, got %r.' % (dtype,))
   if not dtype.is_floating:
     raise ValueError('accumulator_dtype must be None or a float dtype, '
                      'got %r.' % (dtype,))

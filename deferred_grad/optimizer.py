@@ -202,7 +202,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       TypeError: `global_step` is not a `Variable`, or `name` not a string.
       ValueError: `grads_and_vars` is empty, or every gradient is None; or
         `global_step` is counted by another train op of a wrapper in this
-        graph; or `apply_crs_to_grad=True` outside a TPU computation.
+        graph; or `apply_crs_to_grad=True` outside a TPU computation; or the
+        wrapper is wrapped by a `SyncReplicasOptimizer`.
       RuntimeError: in eager mode or `tf.function`; on the GPU path in a
         cross-replica context; under a multi-worker ParameterServerStrategy.
     """
@@ -216,6 +217,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     if name is not None and not isinstance(name, six.string_types):
       raise TypeError('name must be None or a string, got %r.' % (name,))
     present = [(g, v) for g, v in grads_and_vars if g is not None]
+    arguments.check_not_synced([g for g, _ in present])
     if not present:
       raise ValueError('No gradients provided for any variable: %s.' %
                        ([v.name for _, v in grads_and_vars],))
@@ -298,8 +300,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                           wrapped_vars_scope, scope):
     """GPU path, cross-replica context: apply on the cycle's last step.
 
-    The cycle is decided on `step`; `also` (a global step, or None) counts
-    the micro-step too.
+    The cycle is decided on `step`; `also` (None, or a global step) counts too.
     """
     # Strings, ops and objects that differ per replica arrive as PerReplica.
     first = lambda value: distribution.experimental_local_results(value)[0]

@@ -37,6 +37,8 @@ WORKERS = 2
 GRAD_STEPS = 3
 BAD_STEP, BAD_TASK = 4, 1  # the second micro-step of the second cycle
 POLICIES = ('skip_micro_batch', 'skip_cycle')
+# Trainings per worker process (tools/soak raises it).
+REPEATS = int(os.environ.get('DEFERRED_GRAD_SOAK_REPEATS', 1))
 
 
 def _micro_batches(task):
@@ -191,6 +193,26 @@ def main(output, mode, delay):
   server = tf.distribute.Server(
       resolver.cluster_spec(), job_name='worker', task_index=task,
       config=config, start=True)
+  # A soak repeats the training in this process (fresh graphs and sessions
+  # on the same servers); every repeat must end with the same weights.
+  repeats = 1 if mode in ('uneven', 'estimator') else REPEATS
+  first = None
+  for repeat in range(repeats):
+    weights, collectives = _train(strategy, server, config, task, mode,
+                                  os.path.join(os.path.dirname(output),
+                                               'ckpt%d' % repeat))
+    if first is None:
+      first = weights, collectives
+    else:
+      for name, value in first[0].items():
+        np.testing.assert_array_equal(weights[name], value,
+                                      'repeat %d: %s' % (repeat, name))
+  weights, collectives = first
+  np.savez(output, collectives=np.array(collectives, np.int64), **weights)
+
+
+def _train(strategy, server, config, task, mode, checkpoint_dir):
+  """Trains once in `mode`; returns (final weights, collectives per step)."""
   x_data, y_data = _micro_batches(task)
   policy = mode if mode in POLICIES else None
   if policy and task == BAD_TASK:
@@ -256,8 +278,8 @@ def main(output, mode, delay):
       weights = final.weights
   if mode == 'monitored_resume':
     weights = _monitored_resume(strategy, server, config, task, x_data, y_data,
-                                os.path.join(os.path.dirname(output), 'ckpt'))
-  np.savez(output, collectives=np.array(collectives, np.int64), **weights)
+                                checkpoint_dir)
+  return weights, collectives
 
 
 if __name__ == '__main__':

@@ -161,7 +161,8 @@ def test_supported_tensorflow_imports():
 @pytest.mark.parametrize('kwargs, error, message', [
     ({'nonfinite_policy': 'skip'}, ValueError, 'nonfinite_policy must be one'),
     ({'accumulator_dtype': tf.int32}, ValueError, 'accumulator_dtype must be'),
-    ({'accumulator_dtype': 'no_such_dtype'}, TypeError, ''),
+    ({'accumulator_dtype': 'no_such_dtype'}, TypeError,
+     "accumulator_dtype must be None or a float dtype.*'no_such_dtype'"),
     ({'clip_norm': 0}, ValueError, 'clip_norm must be None or a positive'),
     ({'clip_norm': -1.0}, ValueError, 'clip_norm must be None or a positive'),
     ({'clip_norm': '1.0'}, TypeError, 'clip_norm must be None or a positive'),

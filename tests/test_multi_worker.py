@@ -29,7 +29,11 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 WORKERS = 2
 GRAD_STEPS = 3  # as in multi_worker_worker.py
 # A worker pair's whole run, bounded; DEFERRED_GRAD_WORKER_TIMEOUT overrides.
-WORKER_TIMEOUT = int(os.environ.get('DEFERRED_GRAD_WORKER_TIMEOUT', 180))
+# With DEFERRED_GRAD_SOAK_REPEATS (tools/soak) each worker trains that many
+# times over (see multi_worker_worker.py), and the bound grows with it.
+WORKER_TIMEOUT = int(os.environ.get('DEFERRED_GRAD_WORKER_TIMEOUT', 120 + 60 *
+                                    int(os.environ.get(
+                                        'DEFERRED_GRAD_SOAK_REPEATS', 1))))
 
 
 def _wait_or_dump_stacks(processes, timeout):
