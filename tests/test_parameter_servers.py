@@ -80,7 +80,8 @@ def _size(workers):
 
 
 def identifiable_model(index, size, ps_tasks, use_tpu, table,
-                       queue_name='updates', policy=None, poison=-1):
+                       queue_name='updates', policy=None, poison=-1,
+                       weighted=False):
   """The model of the module docstring, built under the caller's devices.
 
   Args:
@@ -92,6 +93,7 @@ def identifiable_model(index, size, ps_tasks, use_tpu, table,
     queue_name: the shared name of the queue of recorded updates.
     policy: the wrapper's `nonfinite_policy`.
     poison: the micro-batch whose gradient is NaN (-1: none).
+    weighted: weigh micro-batch i by `_weight(i)` (`micro_batch_weight`).
 
   Returns:
     (loss, the wrapper, the queue on ps 0 where each update is recorded).
@@ -112,12 +114,17 @@ def identifiable_model(index, size, ps_tasks, use_tpu, table,
     queue = tf.queue.FIFOQueue(1000, [tf.float32], shapes=[[size]],
                                shared_name=queue_name, name='updates')
   opt = deferred_grad.GradientAggregationOptimizer(
-      _Recording(queue), K, use_tpu=use_tpu, nonfinite_policy=policy)
+      _Recording(queue), K, use_tpu=use_tpu, nonfinite_policy=policy,
+      micro_batch_weight=_weight(index) if weighted else None)
   return loss, opt, queue
 
 
+def _weight(index):
+  return tf.cast(index % 3 + 1, tf.float32)  # 1, 2, 3, 1, ...
+
+
 def _build(run, task, workers, ps_tasks, use_tpu, table, policy=None,
-           poison=-1):
+           poison=-1, weighted=False):
   """Builds worker `task`'s graph; returns what the worker and test need."""
   setter = tf.compat.v1.train.replica_device_setter(
       ps_tasks=ps_tasks, worker_device='/job:worker/task:%d' % task)
@@ -128,7 +135,7 @@ def _build(run, task, workers, ps_tasks, use_tpu, table, policy=None,
     loss, opt, queue = identifiable_model(index, _size(workers), ps_tasks,
                                           use_tpu, table,
                                           'run%d_updates' % run, policy,
-                                          poison)
+                                          poison, weighted)
     train_op = opt.minimize(loss, global_step=global_step)
   by_name = {v.op.name[len(scope.name) + 1:]: v
              for v in tf.compat.v1.global_variables()}
@@ -140,7 +147,7 @@ def _build(run, task, workers, ps_tasks, use_tpu, table, policy=None,
 
 
 def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
-           policy=None, poison=-1):
+           policy=None, poison=-1, weighted=False):
   """Trains `workers` threads; returns the final state seen from the ps."""
   worker_servers, _ = cluster
   run = next(_runs)
@@ -152,7 +159,7 @@ def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
     try:
       with tf.Graph().as_default():
         built = _build(run, task, workers, ps_tasks, use_tpu, table, policy,
-                       poison)
+                       poison, weighted)
         local_variables[task] = tf.compat.v1.local_variables()
         target = worker_servers[task].target
         if monitored:
@@ -258,6 +265,56 @@ def test_partitioned_table_without_a_table_copy_per_worker(cluster, use_tpu):
   for variables in local_variables.values():
     assert all(v.shape.num_elements() <= _size(2) for v in variables), (
         [(v.name, v.shape) for v in variables])
+
+
+@pytest.mark.parametrize('policy', ['skip_cycle', 'skip_micro_batch'])
+def test_nonfinite_policy_on_a_worker(cluster, use_tpu, policy):
+  # Worker 1's micro-batch 13 (its second cycle's second) is NaN.
+  for _ in range(REPEATS):
+    updates, state, _ = _train(cluster, 2, 2, use_tpu, monitored=False,
+                               table=True, policy=policy, poison=13)
+    if policy == 'skip_cycle':
+      _check(updates, state, 2, table=True, skipped_block=12)
+      continue
+    # That cycle applies the mean of its 3 finite micro-batches.
+    expected = np.full(_size(2), 1.0 / K)
+    expected[12:16] = [1.0 / 3, 0, 1.0 / 3, 1.0 / 3]
+    _check_weighted(updates, state, expected)
+
+
+def _check_weighted(updates, state, expected):
+  """Each update is one block of K micro-batches weighted as in `expected`
+  (a weight per micro-batch), and so is the final state."""
+  size = len(expected)
+  assert len(updates) == size // K
+  blocks = []
+  for update in updates:
+    block = np.flatnonzero(update)[0] // K * K
+    in_block = (np.arange(size) >= block) & (np.arange(size) < block + K)
+    np.testing.assert_allclose(update, np.where(in_block, expected, 0),
+                               rtol=1e-6)
+    blocks.append(block)
+  assert sorted(blocks) == list(range(0, size, K))
+  global_step, w, w2, table = state
+  assert global_step == size
+  np.testing.assert_allclose(w, -expected, rtol=1e-6)
+  np.testing.assert_allclose(w2, -2 * expected, rtol=1e-6)
+  np.testing.assert_allclose(table, -expected[:, None] * [[2.0, 6.0]],
+                             rtol=1e-6)
+
+
+def test_weighted_micro_batches_on_a_worker(cluster, use_tpu):
+  # Each update: the weighted mean of one worker's K micro-batches.
+  size = _size(2)
+  weights = np.arange(size) % 3 + 1.0
+  expected = np.zeros(size)
+  for block in range(0, size, K):
+    part = weights[block:block + K]
+    expected[block:block + K] = part / part.sum()
+  for _ in range(REPEATS):
+    updates, state, _ = _train(cluster, 2, 2, use_tpu, monitored=False,
+                               table=True, weighted=True)
+    _check_weighted(updates, state, expected)
 
 
 @pytest.mark.parametrize('wrap', [False, True], ids=['bare', 'wrapper'])
