@@ -191,3 +191,46 @@ def plain_global_step_read(global_step):
   read._deferred_grad_plain = True  # pylint: disable=protected-access
   del cached[:]
   cached.append(read)
+
+
+def started_on_cycle_boundary(step_value, grad_steps):
+  """`step_value`, checked: a multi-worker session starts on a cycle boundary.
+
+  Under `MultiWorkerMirroredStrategy` each worker holds its own part of a
+  cycle's sum, and a checkpoint holds the saving worker's part only (a save
+  of all parts would be a collective the other workers do not run). A
+  session restored from a checkpoint written mid-cycle would give every
+  worker that part, and apply a wrong update without a word. So the first
+  micro-step of each session on a worker checks that the step is a
+  multiple of `grad_steps`; the session's first run is told apart by a
+  queue private to the session, which that run fills.
+
+  Args:
+    step_value: the step this micro-step read (a global step or the
+      wrapper's counter).
+    grad_steps: micro-steps per cycle.
+
+  Returns:
+    `step_value`, under that check where the replicas span several workers.
+  """
+  if not in_multi_worker_mode(tf.distribute.get_strategy()):
+    return step_value
+  started = tf.queue.FIFOQueue(1, [tf.bool], shapes=[[]],
+                               name='session_started')
+  first = tf.equal(started.size(), 0)
+  check = tf.debugging.Assert(
+      tf.logical_or(tf.logical_not(first), tf.equal(
+          tf.math.floormod(step_value, grad_steps), 0)),
+      ['GradientAggregationOptimizer: this session started mid-cycle, at '
+       'step', step_value, 'with grad_steps', grad_steps, 'under '
+       'MultiWorkerMirroredStrategy, as after restoring a checkpoint '
+       'written mid-cycle. Only the saving worker\'s part of that cycle was '
+       'saved, so training on would apply a wrong update. Restore a '
+       'checkpoint written at a cycle boundary (save_checkpoints_steps, '
+       'save_checkpoint_steps and max_steps or last_step multiples of '
+       'grad_steps).'])
+  with tf.control_dependencies([check]):
+    # Fills the queue on the session's first run only (0 or 1 elements).
+    mark = started.enqueue_many([tf.boolean_mask([True], [first])])
+  with tf.control_dependencies([mark]):
+    return tf.identity(step_value)

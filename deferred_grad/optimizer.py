@@ -334,9 +334,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         with tf.control_dependencies(accumulate):
           return apply_and_advance()
       with tf.control_dependencies(accumulate):
-        state.step_value = step.read_value()
-      # Both branches advance the step, so the predicate's read of the step
-      # is ordered before its write.
+        state.step_value = distribute.started_on_cycle_boundary(
+            step.read_value(), self._grad_steps)
+      # Both branches advance the step: its read is ordered before its write.
       done = compat.cond(
           steps.is_cycle_end(state.step_value, self._grad_steps),
           apply_and_advance,

@@ -12,7 +12,9 @@ StopAtStepHook, looping until it stops; 'uneven': worker 0 makes one more
 run with the collective options than worker 1 (a mistake: it must fail within
 the options' timeout, not hang); 'monitored_resume': MonitoredTrainingSession
 stopped at a cycle boundary and started again on the same checkpoint_dir,
-which only worker 0 writes. Each worker feeds
+which only worker 0 writes; 'monitored_resume_mid': the same stopped
+mid-cycle (a mistake: the restored session must refuse to train). Each
+worker feeds
 its half of every micro-batch and writes its final weights (and, with a raw
 Session, the executed collectives per micro-step) to OUTPUT.npz.
 """
@@ -142,13 +144,12 @@ def _build(strategy, policy=None):
 
 
 def _monitored_resume(strategy, server, config, task, x_data, y_data,
-                      checkpoint_dir):
+                      checkpoint_dir, stop):
   """Two MonitoredTrainingSessions on one checkpoint_dir; returns weights.
 
-  The first stops at a cycle boundary (StopAtStepHook); only worker 0 saves
+  The first stops at step `stop` (StopAtStepHook); only worker 0 saves
   (the others pass no save_checkpoint_* schedule), and both restore.
   """
-  stop = 2 * GRAD_STEPS
   for last_step in (stop, len(x_data)):
     if task != 0 and last_step == len(x_data):
       # Restore only once worker 0 has written the checkpoint.
@@ -195,7 +196,8 @@ def main(output, mode, delay):
       config=config, start=True)
   # A soak repeats the training in this process (fresh graphs and sessions
   # on the same servers); every repeat must end with the same weights.
-  repeats = 1 if mode in ('uneven', 'estimator') else REPEATS
+  repeats = (1 if mode in ('uneven', 'estimator', 'monitored_resume_mid')
+             else REPEATS)
   first = None
   for repeat in range(repeats):
     weights, collectives = _train(strategy, server, config, task, mode,
@@ -231,7 +233,7 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
     collectives = []  # executed Collective* ops per micro-step
     # What hooks fetch to read the step (StopAtStepHook, a chief's logging).
     hook_read = training_util._get_or_create_global_step_read()  # pylint: disable=protected-access
-    if mode == 'monitored_resume':
+    if mode.startswith('monitored_resume'):
       pass  # graphs of its own, below
     elif mode not in ('monitored', 'monitored_stop'):
       session = tf.compat.v1.Session(server.target, config=config)
@@ -276,9 +278,10 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
           for feed in batches:
             session.run(train_op, feed, options=options)
       weights = final.weights
-  if mode == 'monitored_resume':
+  if mode.startswith('monitored_resume'):
+    stop = 2 * GRAD_STEPS + (mode == 'monitored_resume_mid')
     weights = _monitored_resume(strategy, server, config, task, x_data, y_data,
-                                checkpoint_dir)
+                                checkpoint_dir, stop)
   return weights, collectives
 
 

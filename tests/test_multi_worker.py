@@ -205,3 +205,15 @@ def test_uneven_runs_fail_within_the_timeout_instead_of_hanging(tmp_path):
     assert returncode != 0, log[-3000:]
     assert 'DeadlineExceededError' in log, log[-3000:]
   assert time.time() - start < WORKER_TIMEOUT
+
+
+def test_resume_mid_cycle_refuses_to_train(tmp_path):
+  """A checkpoint written mid-cycle holds only the saving worker's part.
+
+  Restored, it must stop both workers at their first micro-step with an
+  error that says so, not train on with a wrong update.
+  """
+  for returncode, log in _run_workers(tmp_path, 'monitored_resume_mid',
+                                      [0, 0], check=False):
+    assert returncode != 0, log[-3000:]
+    assert 'this session started mid-cycle, at step' in log, log[-3000:]
