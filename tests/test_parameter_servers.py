@@ -146,14 +146,47 @@ def _build(run, task, workers, ps_tasks, use_tpu, table, policy=None,
   return dict(train_op=train_op, index=index, state=state, queue=queue)
 
 
+class _Sessions(tf.compat.v1.train.SessionRunHook):
+  """Counts the sessions a MonitoredTrainingSession creates: more than one
+  means it recovered from an error (a preemption, or, on a loaded machine,
+  a transient gRPC failure) by creating a new session, a restart."""
+
+  def __init__(self):
+    self.created = 0
+
+  def after_create_session(self, session, coord):
+    del session, coord
+    self.created += 1
+
+
+class _AbortOnce(tf.compat.v1.train.SessionRunHook):
+  """Fails the `at`-th run with AbortedError, as a preempted ps would."""
+
+  def __init__(self, at):
+    self._at = at
+    self._runs = 0
+
+  def before_run(self, run_context):
+    del run_context
+    self._runs += 1
+    if self._runs == self._at:
+      raise tf.errors.AbortedError(None, None, 'injected by the test')
+
+
 def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
-           policy=None, poison=-1, weighted=False):
-  """Trains `workers` threads; returns the final state seen from the ps."""
+           policy=None, poison=-1, weighted=False, abort_at=None):
+  """Trains `workers` threads; returns the final state seen from the ps.
+
+  Returns:
+    (recorded updates, [global_step, w, w2(, table)], {task: its local
+    variables}, {task: its MonitoredTrainingSession's recoveries}).
+  """
   worker_servers, _ = cluster
   run = next(_runs)
   initialized = threading.Event()
   errors = []
   local_variables = {}
+  sessions = {}
 
   def work(task):
     try:
@@ -165,8 +198,13 @@ def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
         if monitored:
           if task:
             assert initialized.wait(TIMEOUT_MS / 1000)
+          sessions[task] = _Sessions()
+          hooks = [sessions[task]]
+          if abort_at and task == 1:
+            hooks.append(_AbortOnce(abort_at))
           session = tf.compat.v1.train.MonitoredTrainingSession(
               master=target, is_chief=task == 0, config=_session_config(),
+              hooks=hooks,
               save_checkpoint_secs=None, save_checkpoint_steps=None,
               save_summaries_steps=None, save_summaries_secs=None,
               log_step_count_steps=None)
@@ -202,31 +240,53 @@ def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
       queue = built['queue']
       updates = session.run(queue.dequeue_many(session.run(queue.size())))
       state = session.run(built['state'])
-  return updates, state, local_variables
+  recovered = {task: hook.created - 1 for task, hook in sessions.items()
+               if hook.created > 1}
+  return updates, state, local_variables, recovered
 
 
-def _check(updates, state, workers, table=False, skipped_block=None):
-  """Checks the updates and the final state (`skipped_block`: the first
-  micro-batch of a cycle a policy skipped)."""
+def _check(updates, state, workers, table=False, skipped_block=None,
+           recovered=None):
+  """Checks the recorded updates and the final state.
+
+  Args:
+    updates: the gradients the wrapped optimizer applied, in order.
+    state: [global_step, w, w2(, table)] at the end.
+    workers: how many trained.
+    table: whether `state` has the table.
+    skipped_block: the first micro-batch of a cycle a policy skipped.
+    recovered: {task: recoveries}: a worker whose session was re-created
+      (a restart) drops its partial cycle, at most K - 1 micro-batches each
+      time, and its cycles then start where it resumed.
+  """
+  recovered = recovered or {}
   size = _size(workers)
-  applied = np.ones(size)
-  if skipped_block is not None:
-    applied[skipped_block:skipped_block + K] = 0
-  # Each update: one worker's K consecutive micro-batches, each 1/K.
-  blocks = []
+  applied = np.zeros(size)
   for update in updates:
+    # One worker's K consecutive micro-batches, each 1/K.
     touched = np.flatnonzero(update)
     np.testing.assert_array_equal(update[touched], np.full(len(touched),
                                                            1.0 / K))
-    assert len(touched) == K, touched
-    assert touched[0] % K == 0, touched
     np.testing.assert_array_equal(touched, touched[0] + np.arange(K))
-    blocks.append(touched[0])
-  # Every block once: nothing lost, nothing applied twice.
-  assert sorted(blocks) == [b for b in range(0, size, K)
-                            if b != skipped_block]
+    task = touched[0] // MICRO_BATCHES
+    assert touched[-1] // MICRO_BATCHES == task, touched
+    if task not in recovered:
+      assert touched[0] % K == 0, touched
+    applied[touched] += 1
+  assert applied.max() <= 1, 'applied twice: %s' % np.flatnonzero(applied > 1)
+  expected = np.ones(size)
+  if skipped_block is not None:
+    expected[skipped_block:skipped_block + K] = 0
+  for task in range(workers):
+    part = slice(task * MICRO_BATCHES, (task + 1) * MICRO_BATCHES)
+    if task in recovered:  # the dropped partial cycles, the last pending
+      assert expected[part].sum() - applied[part].sum() <= (
+          (K - 1) * (recovered[task] + 1))
+    else:  # nothing lost
+      np.testing.assert_array_equal(applied[part], expected[part])
   global_step, w, w2 = state[:3]
-  assert global_step == size
+  # A failed run may have counted its micro-step before the retry.
+  assert size <= global_step <= size + sum(recovered.values())
   np.testing.assert_array_equal(w, -applied / K)
   np.testing.assert_array_equal(w2, -2 * applied / K)
   if table:
@@ -240,9 +300,9 @@ def _check(updates, state, workers, table=False, skipped_block=None):
 def test_each_worker_applies_its_own_micro_batches(cluster, use_tpu,
                                                    ps_tasks, monitored):
   for _ in range(REPEATS):
-    updates, state, local_variables = _train(cluster, 2, ps_tasks, use_tpu,
-                                             monitored)
-    _check(updates, state, 2)
+    updates, state, local_variables, recovered = _train(
+        cluster, 2, ps_tasks, use_tpu, monitored)
+    _check(updates, state, 2, recovered=recovered)
   # The state is the worker's own, and not saved by the chief.
   for task, variables in local_variables.items():
     assert variables
@@ -250,17 +310,31 @@ def test_each_worker_applies_its_own_micro_batches(cluster, use_tpu,
       assert variable.device.endswith('/job:worker/task:%d' % task)
 
 
+def test_a_recovered_session_drops_only_its_partial_cycle(cluster, use_tpu):
+  """MonitoredTrainingSession re-creates a session after a preemption error
+  (here injected before worker 1's 4th run) and re-runs the failed step;
+  local variables start again: the 3 micro-batches of worker 1's partial
+  cycle are dropped, its cycles then start at its 4th, nothing else lost or
+  doubled, and its last micro-batch waits in the accumulator."""
+  updates, state, _, recovered = _train(cluster, 2, 1, use_tpu,
+                                        monitored=True, abort_at=4)
+  assert recovered == {1: 1}
+  _check(updates, state, 2, recovered=recovered)
+  starts = sorted(np.flatnonzero(u)[0] for u in updates)
+  assert starts == [0, 4, 8, 15, 19], starts
+
+
 def test_three_workers(cluster, use_tpu):
   for _ in range(REPEATS):
-    updates, state, _ = _train(cluster, 3, 2, use_tpu, monitored=False)
+    updates, state, _, _ = _train(cluster, 3, 2, use_tpu, monitored=False)
     _check(updates, state, 3)
 
 
 def test_partitioned_table_without_a_table_copy_per_worker(cluster, use_tpu):
   for _ in range(REPEATS):
-    updates, state, local_variables = _train(cluster, 2, 2, use_tpu,
-                                             monitored=True, table=True)
-    _check(updates, state, 2, table=True)
+    updates, state, local_variables, recovered = _train(
+        cluster, 2, 2, use_tpu, monitored=True, table=True)
+    _check(updates, state, 2, table=True, recovered=recovered)
   # The table's rows wait in a queue on the worker: no table-sized variable.
   for variables in local_variables.values():
     assert all(v.shape.num_elements() <= _size(2) for v in variables), (
@@ -271,8 +345,8 @@ def test_partitioned_table_without_a_table_copy_per_worker(cluster, use_tpu):
 def test_nonfinite_policy_on_a_worker(cluster, use_tpu, policy):
   # Worker 1's micro-batch 13 (its second cycle's second) is NaN.
   for _ in range(REPEATS):
-    updates, state, _ = _train(cluster, 2, 2, use_tpu, monitored=False,
-                               table=True, policy=policy, poison=13)
+    updates, state, _, _ = _train(cluster, 2, 2, use_tpu, monitored=False,
+                                  table=True, policy=policy, poison=13)
     if policy == 'skip_cycle':
       _check(updates, state, 2, table=True, skipped_block=12)
       continue
@@ -312,8 +386,8 @@ def test_weighted_micro_batches_on_a_worker(cluster, use_tpu):
     part = weights[block:block + K]
     expected[block:block + K] = part / part.sum()
   for _ in range(REPEATS):
-    updates, state, _ = _train(cluster, 2, 2, use_tpu, monitored=False,
-                               table=True, weighted=True)
+    updates, state, _, _ = _train(cluster, 2, 2, use_tpu, monitored=False,
+                                  table=True, weighted=True)
     _check_weighted(updates, state, expected)
 
 
