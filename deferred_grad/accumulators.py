@@ -99,13 +99,11 @@ class _Accumulator(object):
   Args:
     slot: the accumulator variable.
     grad_steps: the number of micro-steps per cycle.
-    in_xla: built inside an XLA computation.
   """
 
-  def __init__(self, slot, grad_steps, in_xla=False):
+  def __init__(self, slot, grad_steps):
     self.slot = slot
     self._grad_steps = grad_steps
-    self._in_xla = in_xla
 
   @property
   def local(self):
@@ -169,8 +167,8 @@ class ShardedAccumulator(DenseAccumulator):
     num_partitions: `xla_num_partitions`.
   """
 
-  def __init__(self, slot, grad_steps, num_partitions, in_xla=False):
-    super(ShardedAccumulator, self).__init__(slot, grad_steps, in_xla)
+  def __init__(self, slot, grad_steps, num_partitions):
+    super(ShardedAccumulator, self).__init__(slot, grad_steps)
     self._num_partitions = num_partitions
 
   def add(self, gradient):
@@ -214,7 +212,7 @@ class SparseAccumulator(_Accumulator):
   """
 
   def __init__(self, slot, grad_steps, num_partitions=None, in_xla=False):
-    super(SparseAccumulator, self).__init__(slot, grad_steps, in_xla)
+    super(SparseAccumulator, self).__init__(slot, grad_steps)
     self._num_partitions = num_partitions
     self._rows = None
     if not in_xla:
@@ -370,8 +368,8 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
   if sparse and isinstance(gradient, tf.IndexedSlices):
     return SparseAccumulator(slot, grad_steps, num_partitions, in_xla)
   if num_partitions is None:
-    return DenseAccumulator(slot, grad_steps, in_xla)
-  return ShardedAccumulator(slot, grad_steps, num_partitions, in_xla)
+    return DenseAccumulator(slot, grad_steps)
+  return ShardedAccumulator(slot, grad_steps, num_partitions)
 
 
 def reset_all(accumulators, gradients, after):

@@ -69,6 +69,7 @@ class KeepNonfinite(object):
   def statistics(self):
     """This replica's counts of the cycle, to be summed over replicas."""
     return []
+
   def decide(self, totals, replicas):
     """(apply now?, good micro-batches per replica) from the summed counts.
 
@@ -135,6 +136,7 @@ class _SkipNonfinite(KeepNonfinite):
   def statistics(self):
     return [compat.local_variable(v).read_value()
             for v in (self.good_micro_batches, self.nonfinite_micro_batches)]
+
   def count(self, totals, applied):
     _, nonfinite = totals
     return [

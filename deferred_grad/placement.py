@@ -54,13 +54,13 @@ def worker_device(var_list):
   """
   if tf.distribute.has_strategy():
     return None  # tf.distribute strategies place replicas themselves
+  variable_jobs = {_job(v.device) for v in var_list} - {None}
+  if not variable_jobs:
+    return None  # one process: no probe op in the graph
   probe = tf.constant(0, name='placement_probe')
   here = probe.op.device
   job = _job(here)
-  if not job:
-    return None
-  variable_jobs = {_job(v.device) for v in var_list}
-  if variable_jobs - {None, job}:
+  if job and variable_jobs - {job}:
     return here
   return None
 

@@ -10,24 +10,25 @@ def peak_rss_mb():
   used there: across fork and exec it keeps the parent's peak, so a child of
   a large parent would report the parent's memory.
   """
-  try:
-    with open('/proc/self/status') as status:
-      for line in status:
-        if line.startswith('VmHWM:'):
-          return int(line.split()[1]) / 1024  # kB
-  except OSError:
-    pass
+  peak = _status_mb('VmHWM')
+  if peak is not None:
+    return peak
   # Elsewhere (macOS reports bytes, Linux kB): only right for a fresh process.
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def current_rss_mb():
   """This process's resident set size now, in MiB (Linux; else None)."""
+  return _status_mb('VmRSS')
+
+
+def _status_mb(field):
+  """A memory field of /proc/self/status (given in kB), in MiB, or None."""
   try:
     with open('/proc/self/status') as status:
       for line in status:
-        if line.startswith('VmRSS:'):
-          return int(line.split()[1]) / 1024  # kB
+        if line.startswith(field + ':'):
+          return int(line.split()[1]) / 1024
   except OSError:
     pass
   return None

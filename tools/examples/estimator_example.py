@@ -12,7 +12,6 @@ tf.estimator (`pip install ".[estimator]"`).
 """
 
 import os
-import sys
 import tempfile
 
 from absl import app
@@ -21,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 import deferred_grad
+from estimator_check import require_estimator
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
@@ -29,15 +29,6 @@ flags.DEFINE_integer('updates', 20, 'Number of updates.')
 flags.DEFINE_string('model_dir', None, 'Checkpoint directory (default: new).')
 
 TRUE_W = np.random.RandomState(0).randn(8, 1).astype(np.float32)
-
-
-def require_estimator():
-  """Exits with one line when this TensorFlow has no tf.estimator."""
-  if not hasattr(tf.compat.v1, 'estimator'):
-    sys.exit('%s needs TensorFlow 2.15, the last release with tf.estimator; '
-             'this is TensorFlow %s. Install it with pip install '
-             '".[estimator]" (Python 3.9 to 3.11).' %
-             (os.path.basename(__file__), tf.__version__))
 
 
 def input_fn():

@@ -13,7 +13,6 @@ TensorFlow 2.15, the last release with TPUEstimator
 """
 
 import os
-import sys
 import tempfile
 
 from absl import app
@@ -22,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 import deferred_grad
+from estimator_check import require_estimator
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
@@ -30,15 +30,6 @@ flags.DEFINE_integer('updates', 20, 'Number of updates.')
 flags.DEFINE_bool('use_tpu', False, 'Run on a TPU (needs one in the config).')
 
 TRUE_W = np.random.RandomState(0).randn(8, 1).astype(np.float32)
-
-
-def require_estimator():
-  """Exits with one line when this TensorFlow has no tf.estimator."""
-  if not hasattr(tf.compat.v1, 'estimator'):
-    sys.exit('%s needs TensorFlow 2.15, the last release with tf.estimator; '
-             'this is TensorFlow %s. Install it with pip install '
-             '".[estimator]" (Python 3.9 to 3.11).' %
-             (os.path.basename(__file__), tf.__version__))
 
 
 def input_fn(params):
