@@ -23,36 +23,12 @@ from __future__ import print_function
 from deferred_grad import compat
 from deferred_grad import sharding
 from deferred_grad import variables
+from deferred_grad import zeros
 
 tf = compat.import_tensorflow()
 
 SLOT_NAME = 'grad_accum'
 SLOT_OP_NAME = 'GradientAccumulator'
-
-
-def run_time_zeros(shape, dtype=tf.float32, partition_info=None):
-  """Zeros of `shape` that TensorFlow cannot fold into a constant.
-
-  TensorFlow's graph optimizers fold zeros of a known shape into a constant
-  as large as the result, and a session keeps every constant its executors
-  ran for as long as it lives. As the accumulators' initial value (the
-  original's zeros slot) that pinned 1x the parameter bytes (measured with
-  `tools/benchmark --suites=memory`); as the zeros of the apply step it did
-  too. A fill value they cannot know keeps the zeros a run-time tensor,
-  freed after use.
-
-  Args:
-    shape: the shape, a list or a 1-D integer tensor.
-    dtype: the element type.
-    partition_info: unused; part of the initializer signature.
-
-  Returns:
-    A tensor of zeros.
-  """
-  del partition_info
-  dtype = tf.as_dtype(dtype).base_dtype
-  zero = tf.compat.v1.placeholder_with_default(tf.constant(0, dtype), [])
-  return tf.fill(shape, zero)
 
 
 def create_slot(opt, variable, dtype):
@@ -77,7 +53,7 @@ def create_slot(opt, variable, dtype):
   dtype = dtype or variable.dtype.base_dtype
   if variable.shape.is_fully_defined():
     slot = opt._get_or_make_slot_with_initializer(
-        variable, run_time_zeros, variable.shape, dtype, SLOT_NAME,
+        variable, zeros.run_time_zeros, variable.shape, dtype, SLOT_NAME,
         SLOT_OP_NAME)
   elif dtype == variable.dtype.base_dtype:
     # Only a variable's value knows its shape: TensorFlow's zeros slot.
@@ -144,18 +120,14 @@ class DenseAccumulator(_Accumulator):
     return self.local.read_value()
 
   def reset(self, after, gradient):
-    """Zeroes the accumulator once `after` has run; returns the op.
+    """Zeroes the accumulator in place once `after` has run; returns the op.
 
-    With zeros made at run time (see `run_time_zeros`). `reset_all` runs the
-    resets one after another, so that the apply step holds at most one
-    variable's worth of new zeros (all at once: 1x the parameter bytes, the
-    peak of the step; `tools/benchmark --suites=memory`).
+    See `zeros.zero_in_place`. `reset_all` runs the resets one after
+    another, so that a reset's transients are one variable's.
     """
     del gradient
-    local = self.local
     with tf.control_dependencies([after]):
-      return local.assign(run_time_zeros(tf.shape(local), local.dtype),
-                          read_value=False)
+      return zeros.zero_in_place(self.local)
 
 
 class ShardedAccumulator(DenseAccumulator):
@@ -386,7 +358,8 @@ def reset_all(accumulators, gradients, after):
   previous = after
   resets = []
   for accumulator, gradient in zip(accumulators, gradients):
-    # One at a time: a transient of a reset is then one variable's.
+    # One at a time: a reset's transients (zeros inside XLA, a table's
+    # zero rows) are then one variable's.
     previous = accumulator.reset(previous, gradient)
     resets.append(previous)
   return resets

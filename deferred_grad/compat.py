@@ -88,6 +88,17 @@ def local_variable(variable):
   return get_local() if get_local is not None else variable
 
 
+def host_device(device):
+  """The CPU of the task that `device` names (a string; '' for no device).
+
+  For what has no GPU kernel (queues of row ids and their bookkeeping), so
+  that it also places where soft placement is off.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  spec = tf.DeviceSpec.from_string(device or '')
+  return spec.replace(device_type='CPU', device_index=0).to_string()
+
+
 def is_ref_variable(variable):
   """True for a reference (TF1, `disable_v2_behavior()`) variable."""
   return variable.dtype != variable.dtype.base_dtype
@@ -144,11 +155,18 @@ def cond(pred, true_fn, false_fn):
 
 def in_xla_context():
   """True while building inside an XLA computation (a TPU rewrite,
-  `xla.compile`), where only XLA-compilable ops may be made."""
+  `xla.compile`), where only XLA-compilable ops may be made.
+
+  Also inside a function graph built within one (a control flow v2 branch),
+  whose own graph knows nothing of the XLA context around it.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  context = tf.compat.v1.get_default_graph()._get_control_flow_context()  # pylint: disable=protected-access
-  while context is not None:
-    if context.IsXLAContext():
-      return True
-    context = context.outer_context
+  graph = tf.compat.v1.get_default_graph()
+  while graph is not None:
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    while context is not None:
+      if context.IsXLAContext():
+        return True
+      context = context.outer_context
+    graph = getattr(graph, 'outer_graph', None)
   return False

@@ -32,6 +32,7 @@ from __future__ import print_function
 
 from deferred_grad import accumulators
 from deferred_grad import compat
+from deferred_grad import zeros
 
 tf = compat.import_tensorflow()
 
@@ -98,7 +99,7 @@ class WorkerLocal(object):
     shape = variable.shape
     worker_copy = self.variable(
         variable.op.name + '/' + accumulators.SLOT_OP_NAME,
-        lambda: accumulators.run_time_zeros(shape, dtype), dtype)
+        lambda: zeros.run_time_zeros(shape, dtype), dtype)
     return accumulators.DenseAccumulator(worker_copy, grad_steps)
 
 

@@ -73,11 +73,15 @@ def child_command(suite, spec, *extra_flags):
          ] + list(extra_flags)
 
 
-def run_child(suite, spec, *extra_flags):
-  """Runs `suite`'s `child(spec)` in a fresh process; returns its JSON line."""
+def run_child(suite, spec, *extra_flags, timeout=None):
+  """Runs `suite`'s `child(spec)` in a fresh process; returns its JSON line.
+
+  Raises subprocess.TimeoutExpired after `timeout` seconds (None: no limit).
+  """
   output = subprocess.run(
       child_command(suite, spec, *extra_flags), check=True,
-      stdout=subprocess.PIPE, universal_newlines=True).stdout
+      stdout=subprocess.PIPE, universal_newlines=True,
+      timeout=timeout).stdout
   return json.loads(output.strip().splitlines()[-1])
 
 

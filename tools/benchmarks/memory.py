@@ -24,41 +24,69 @@ MODELS = {
 
 
 def child(spec):
-  """Runs one configuration 'model,optimizer,batch,grad_steps|none'."""
-  model, optimizer, batch, grad_steps = spec.split(',')
+  """Runs one configuration 'model,optimizer,batch,grad_steps|none[,limit]'.
+
+  With a limit (MiB), the first GPU gets that much memory (a logical device
+  configuration), and running out of it is reported, not raised.
+  """
+  model, optimizer, batch, grad_steps = spec.split(',')[:4]
+  limit_mb = int(spec.split(',')[4]) if spec.count(',') == 4 else None
   grad_steps = None if grad_steps == 'none' else int(grad_steps)
   tf = common.import_tf()
+  if limit_mb is not None:
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices('GPU')[0],
+        [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)])
   _, build_loss, _ = MODELS[model]
-  session, train_op, parameters = common.training_session(
-      tf, build_loss, int(batch), optimizer, grad_steps)
-  for _ in range(grad_steps or 1):  # a cycle of warm-up
-    session.run(train_op)
-  # A traced cycle: TensorFlow's own allocator peak, beside the process RSS,
-  # which also counts what malloc keeps after TensorFlow frees it.
-  allocator_peak = 0
-  for _ in range(grad_steps or 1):
-    metadata = tf.compat.v1.RunMetadata()
-    session.run(train_op,
-                options=tf.compat.v1.RunOptions(
-                    trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-                run_metadata=metadata)
-    for device in metadata.step_stats.dev_stats:
-      for node in device.node_stats:
-        for memory in node.memory:
-          allocator_peak = max(allocator_peak, memory.peak_bytes,
-                               memory.allocator_bytes_in_use)
+  try:
+    session, train_op, parameters = common.training_session(
+        tf, build_loss, int(batch), optimizer, grad_steps)
+    for _ in range(grad_steps or 1):  # a cycle of warm-up
+      session.run(train_op)
+    # A traced cycle: TensorFlow's own allocator peaks, beside the process
+    # RSS, which also counts what malloc keeps after TensorFlow frees it.
+    device_peaks = {}
+    for _ in range(grad_steps or 1):
+      metadata = tf.compat.v1.RunMetadata()
+      session.run(train_op,
+                  options=tf.compat.v1.RunOptions(
+                      trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                  run_metadata=metadata)
+      for device in metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+          for memory in node.memory:
+            device_peaks[memory.allocator_name] = max(
+                device_peaks.get(memory.allocator_name, 0),
+                memory.peak_bytes, memory.allocator_bytes_in_use)
+  except tf.errors.ResourceExhaustedError:
+    print(json.dumps({'out_of_memory': True}))
+    return
   print(json.dumps({
+      'out_of_memory': False,
       'peak_rss_mb': peak_memory.peak_rss_mb(),
-      'allocator_peak_mb': allocator_peak / 2**20,
+      'allocator_peak_mb': max(device_peaks.values()) / 2**20,
+      # Per allocator ('mkl_cpu', 'GPU_0_bfc', ...): tools/gpu_check.
+      'allocator_peaks_mb': {name: peak / 2**20
+                             for name, peak in device_peaks.items()},
       'parameter_mb': parameters * 4 / 2**20,
   }))
 
 
-def _measure(model, optimizer, batch, grad_steps, repeats=2):
-  """Least peaks over `repeats` fresh processes."""
+def measure(model, optimizer, batch, grad_steps, repeats=3):
+  """Least peaks over `repeats` fresh processes.
+
+  Peaks vary from process to process with the order in which the executor
+  runs independent ops (on 2 cores, by up to 0.8x the parameter bytes on
+  the MLP); the least is the configuration's own cost.
+  """
   peaks = [common.run_child('memory', '%s,%s,%d,%s' % (
       model, optimizer, batch, grad_steps or 'none')) for _ in range(repeats)]
-  return {key: min(p[key] for p in peaks) for key in peaks[0]}
+  least = {key: min(p[key] for p in peaks) for key in peaks[0]
+           if not isinstance(peaks[0][key], dict)}
+  least['allocator_peaks_mb'] = {
+      name: min(p['allocator_peaks_mb'][name] for p in peaks)
+      for name in peaks[0]['allocator_peaks_mb']}
+  return least
 
 
 def run():
@@ -68,9 +96,9 @@ def run():
   for model, (description, _, batch) in MODELS.items():
     optimizer = 'SGD'
     micro_batch = batch // grad_steps
-    large = _measure(model, optimizer, batch, None)
-    bare_micro = _measure(model, optimizer, micro_batch, None)
-    wrapper = _measure(model, optimizer, micro_batch, grad_steps)
+    large = measure(model, optimizer, batch, None)
+    bare_micro = measure(model, optimizer, micro_batch, None)
+    wrapper = measure(model, optimizer, micro_batch, grad_steps)
     parameter_mb = large['parameter_mb']
     result = {
         'model': description, 'optimizer': optimizer, 'batch': batch,
