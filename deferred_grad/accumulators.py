@@ -187,9 +187,12 @@ class SparseAccumulator(_Accumulator):
     super(SparseAccumulator, self).__init__(slot, grad_steps)
     self._num_partitions = num_partitions
     self._rows = None
+    # The record of row ids, and the work on it, stay on the host: queues
+    # have no GPU kernels. Only the gathers and scatters touch the device.
+    self._host = compat.host_device(self.local.device)
     if not in_xla:
       local = self.local
-      with tf.device(local.device):
+      with tf.device(self._host):
         self._rows = tf.queue.FIFOQueue(
             2**31 - 1, [tf.int64], shapes=[[]],
             name=local.op.name.replace('/', '_') + '_touched_rows')
@@ -206,14 +209,17 @@ class SparseAccumulator(_Accumulator):
             gradient.indices))
     if self._rows is None:
       return added
-    return tf.group(added, self._rows.enqueue_many(
-        [tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)]))
+    with tf.device(self._host):
+      recorded = self._rows.enqueue_many(
+          [tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)])
+    return tf.group(added, recorded)
 
   def mark(self):
     """Records one micro-step (added or skipped): run it on every one."""
     if self._rows is None:
       return tf.no_op()
-    return self._rows.enqueue(tf.constant(-1, tf.int64))
+    with tf.device(self._host):
+      return self._rows.enqueue(tf.constant(-1, tf.int64))
 
   def read(self):
     """The accumulated gradient: IndexedSlices over the touched rows.
@@ -222,12 +228,13 @@ class SparseAccumulator(_Accumulator):
     """
     if self._rows is None:
       return sharding.shard(self.local.read_value(), self._num_partitions)
-    recorded = self._rows.dequeue_many(self._rows.size())
-    is_row = recorded >= 0
-    rows, _ = tf.unique(tf.boolean_mask(recorded, is_row))
-    complete = tf.greater_equal(
-        tf.reduce_sum(tf.cast(tf.logical_not(is_row), tf.int32)),
-        self._grad_steps)
+    with tf.device(self._host):
+      recorded = self._rows.dequeue_many(self._rows.size())
+      is_row = recorded >= 0
+      rows, _ = tf.unique(tf.boolean_mask(recorded, is_row))
+      complete = tf.greater_equal(
+          tf.reduce_sum(tf.cast(tf.logical_not(is_row), tf.int32)),
+          self._grad_steps)
 
     def from_record():
       return tf.gather(self.local, rows), rows

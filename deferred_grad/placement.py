@@ -126,7 +126,9 @@ class RowQueueAccumulator(object):
     self._grad_steps = grad_steps
     self._dtype = dtype
     self._dense_shape = variable.shape
-    with tf.device(device):
+    # On the worker's CPU, also under a GPU worker device: queues have no
+    # GPU kernels.
+    with tf.device(compat.host_device(device)):
       self._queue = tf.queue.FIFOQueue(
           2**31 - 1, [tf.int64, dtype], shapes=[[], variable.shape[1:]],
           name=variable.op.name.replace('/', '_') + '_accumulated_rows')

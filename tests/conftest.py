@@ -18,6 +18,12 @@ def use_tpu(request):
   return request.param
 
 
+def pytest_configure(config):
+  config.addinivalue_line(
+      'markers', 'gpu: runs on a GPU; skipped where TensorFlow sees none '
+      '(tools/gpu_check runs these on a GPU machine)')
+
+
 def pytest_report_header(config):
   del config
   return 'TensorFlow %s, %s behaviour, deferred_grad from %s' % (

@@ -1,5 +1,6 @@
-# Sourced by tools/test and tools/demo: one cached virtual environment per
-# TensorFlow version, with deferred_grad installed from this checkout.
+# Sourced by tools/test, tools/demo and the other tools: one cached virtual
+# environment per TensorFlow version (and build), with deferred_grad
+# installed from this checkout.
 #
 # DEFERRED_GRAD_CACHE  where the environments live (default ~/.cache/deferred_grad)
 # DEFERRED_GRAD_PYTHON the Python to build them with (default: python3, else
@@ -29,13 +30,15 @@ python_for() {
 }
 
 # Creates (once) the environment for TensorFlow $1, installs this checkout
-# into it, and prints its path.
+# into it, and prints its path. $2 "cuda" makes one with TensorFlow's CUDA
+# build and libraries (tensorflow[and-cuda], Linux) instead of the CPU build.
 ensure_venv() {
-  local version=$1 python requirements venv
+  local version=$1 flavour=${2:-} python requirements venv package=tensorflow-cpu
+  [ "$flavour" = cuda ] && package="tensorflow[and-cuda]"
   python=$(python_for "$version") || return 1
-  requirements="tensorflow-cpu==$version six absl-py pytest setuptools wheel"
+  requirements="$package==$version six absl-py pytest setuptools wheel"
   case $version in 2.15.*) requirements="$requirements tensorflow-estimator==2.15.0" ;; esac
-  venv=$cache/venv-tf$version-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  venv=$cache/venv-tf$version${flavour:+-$flavour}-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
   if [ "$(cat "$venv/.requirements" 2>/dev/null)" != "$requirements" ]; then
     echo "setting up $venv (once; TensorFlow is a large download)" >&2
     rm -rf "$venv"
