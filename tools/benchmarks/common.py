@@ -12,16 +12,23 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer('rounds', 15, 'Interleaved timing rounds per variant.')
 flags.DEFINE_integer('steps_per_round', 10, 'Timed steps per round.')
 flags.DEFINE_integer('grad_steps', 8, 'K, micro-batches per update.')
+flags.DEFINE_enum('tf_behavior', 'v2', ['v2', 'v1'],
+                  "TensorFlow's graph behaviour: v2 disable_eager_execution() "
+                  '(resource variables), v1 disable_v2_behavior() (ref '
+                  'variables); children get the same.')
 
 ENTRY_POINT = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), 'benchmark.py')
 
 
 def import_tf():
-  """TensorFlow in graph mode (`disable_eager_execution`), quietly."""
+  """TensorFlow in graph mode (--tf_behavior), quietly."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.compat.v1.disable_eager_execution()
+  if FLAGS.tf_behavior == 'v1':
+    tf.compat.v1.disable_v2_behavior()
+  else:
+    tf.compat.v1.disable_eager_execution()
   return tf
 
 
@@ -69,8 +76,8 @@ def markdown(header, rows):
 
 def child_command(suite, spec, *extra_flags):
   """The command line that runs `suite`'s `child(spec)` in a new process."""
-  return [sys.executable, ENTRY_POINT, '--child=%s:%s' % (suite, spec)
-         ] + list(extra_flags)
+  return [sys.executable, ENTRY_POINT, '--child=%s:%s' % (suite, spec),
+          '--tf_behavior=' + FLAGS.tf_behavior] + list(extra_flags)
 
 
 def run_child(suite, spec, *extra_flags, timeout=None):
