@@ -48,7 +48,7 @@ def zero_in_place(variable):
   A scatter of one scalar zero over all of its rows: no buffer as large as
   the variable. (With `assign` of zeros the wrapper's peak RSS over a bare
   micro-batch step was 2.47x the parameter bytes on the benchmark's MLP,
-  with this 1.14x, 1x being the accumulators.) A scatter switches
+  with this 1.14x-1.23x, 1x being the accumulators.) A scatter switches
   a resource variable to copy-on-read mode, in which every later dense read
   copies it (the apply step's read would then be the same large buffer);
   `DisableCopyOnRead` switches it back once the scatter is done. Inside XLA,
