@@ -4,6 +4,7 @@ machine is not its first."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -35,6 +36,22 @@ def test_without_a_gpu_it_checks_nothing_and_says_so(tmp_path):
   assert result.returncode == 3, result.stdout
   assert 'no GPU visible to TensorFlow' in result.stdout
   assert not (tmp_path / 'gpu.md').exists()
+
+
+@scripts.run_once_per_version
+@newest_tensorflow_only
+@pytest.mark.skipif(bool(shutil.which('nvidia-smi')),
+                    reason='this machine has an NVIDIA driver')
+def test_without_a_driver_the_wrapper_downloads_nothing(tmp_path):
+  """tools/gpu_check stops before setting up TensorFlow's CUDA build."""
+  result = subprocess.run(
+      ['bash', os.path.join(scripts.TOOLS, 'gpu_check')],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      universal_newlines=True, timeout=60,
+      env=dict(os.environ, DEFERRED_GRAD_CACHE=str(tmp_path / 'cache')))
+  assert result.returncode == 3, result.stdout
+  assert 'no NVIDIA driver here' in result.stdout
+  assert not (tmp_path / 'cache').exists()
 
 
 @scripts.run_once_per_version
