@@ -8,7 +8,8 @@ in about 10 minutes on one GPU:
    accumulation, both paths, float16 variables with float32 accumulators,
    float16 compute under a loss-scale optimizer; soft placement off;
 2. the `memory` suite's models on the GPU: TensorFlow's GPU allocator peak
-   for one large batch, a bare micro-batch step and the wrapper;
+   (traced, and `tf.config.experimental.get_memory_info`) for one large
+   batch, a bare micro-batch step and the wrapper;
 3. a memory limit between the wrapper's peak and the large batch's (a
    logical device configuration): the large batch runs out of memory, the
    wrapper trains;
@@ -124,6 +125,7 @@ def _memory(on_gpu):
       spec = '%s,SGD,%d,%s' % (model, size, steps or 'none')
       measured = common.run_child('memory', spec, timeout=FLAGS.part_timeout)
       row[name + '_mb'] = _device_peak(measured, on_gpu)
+      row[name + '_memory_info_mb'] = measured['gpu_memory_info_peak_mb']
       row['parameter_mb'] = measured['parameter_mb']
     row['wrapper_over_large'] = row['wrapper_mb'] / row['large_batch_mb']
     row['wrapper_minus_bare_in_parameter_bytes'] = (
@@ -178,6 +180,10 @@ def _part(summary, name, function, *args):
   print('%s: %.0f s' % (name, time.time() - start), flush=True)
 
 
+def _mb(value):
+  return '-' if value is None else '%.0f' % value
+
+
 def _markdown(summary):
   lines = ['TensorFlow %s on %s' % (
       summary['tensorflow'], ', '.join(summary['devices']) or 'the CPU'), '']
@@ -192,12 +198,14 @@ def _markdown(summary):
   lines.append('')
   if isinstance(summary['memory'], list):
     lines.append(common.markdown(
-        ['model (SGD, K=8), allocator peak', 'parameters (MB)',
-         'one batch of B (MB)', 'bare, B/K (MB)', 'wrapper, K x B/K (MB)',
-         'wrapper / one batch', 'wrapper - bare B/K, in parameter bytes'],
-        [[r['model'] + ', B=%d' % r['batch'], '%.1f' % r['parameter_mb'],
-          '%.0f' % r['large_batch_mb'], '%.0f' % r['bare_micro_batch_mb'],
-          '%.0f' % r['wrapper_mb'], '%.2fx' % r['wrapper_over_large'],
+        ['model (SGD, K=8), allocator peak: traced / get_memory_info',
+         'parameters (MB)', 'one batch of B (MB)', 'bare, B/K (MB)',
+         'wrapper, K x B/K (MB)', 'wrapper / one batch',
+         'wrapper - bare B/K, in parameter bytes'],
+        [[r['model'] + ', B=%d' % r['batch'], '%.1f' % r['parameter_mb']] +
+         ['%.0f / %s' % (r[name + '_mb'], _mb(r[name + '_memory_info_mb']))
+          for name in ['large_batch', 'bare_micro_batch', 'wrapper']] +
+         ['%.2fx' % r['wrapper_over_large'],
           '%+.2fx' % r['wrapper_minus_bare_in_parameter_bytes']]
          for r in summary['memory']]))
   else:

@@ -63,6 +63,7 @@ def child(spec):
     return
   print(json.dumps({
       'out_of_memory': False,
+      'gpu_memory_info_peak_mb': _gpu_memory_info_peak_mb(tf),
       'peak_rss_mb': peak_memory.peak_rss_mb(),
       'allocator_peak_mb': max(device_peaks.values()) / 2**20,
       # Per allocator ('mkl_cpu', 'GPU_0_bfc', ...): tools/gpu_check.
@@ -70,6 +71,22 @@ def child(spec):
                              for name, peak in device_peaks.items()},
       'parameter_mb': parameters * 4 / 2**20,
   }))
+
+
+def _gpu_memory_info_peak_mb(tf):
+  """The first GPU allocator's peak over the process, or None.
+
+  `tf.config.experimental.get_memory_info` asks the eager context, whose
+  GPU device shares the session's allocator (one per GPU and process). Not
+  run on a GPU yet: any error gives None (tools/gpu_check then relies on
+  the traced peaks).
+  """
+  if not tf.config.list_physical_devices('GPU'):
+    return None
+  try:
+    return tf.config.experimental.get_memory_info('GPU:0')['peak'] / 2**20
+  except Exception:  # pylint: disable=broad-except
+    return None
 
 
 def measure(model, optimizer, batch, grad_steps, repeats=3):
@@ -82,7 +99,7 @@ def measure(model, optimizer, batch, grad_steps, repeats=3):
   peaks = [common.run_child('memory', '%s,%s,%d,%s' % (
       model, optimizer, batch, grad_steps or 'none')) for _ in range(repeats)]
   least = {key: min(p[key] for p in peaks) for key in peaks[0]
-           if not isinstance(peaks[0][key], dict)}
+           if not isinstance(peaks[0][key], (dict, type(None)))}
   least['allocator_peaks_mb'] = {
       name: min(p['allocator_peaks_mb'][name] for p in peaks)
       for name in peaks[0]['allocator_peaks_mb']}
