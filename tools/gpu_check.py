@@ -54,7 +54,7 @@ REPO = os.path.dirname(TOOLS)
 
 
 def _gpus():
-  """[(name, description)] of the GPUs TensorFlow sees, or the error."""
+  """TensorFlow's version, and [(name, description)] of the GPUs it sees."""
   tf = common.import_tf()
   gpus = tf.config.list_physical_devices('GPU')
   described = []
@@ -72,8 +72,8 @@ def _tests(on_gpu):
   results = {}
   for behavior in ['v2', 'v1']:
     report = os.path.join(tempfile.mkdtemp(), 'report.xml')
-    environment = dict(os.environ, DEFERRED_GRAD_TF_BEHAVIOR=behavior,
-                       PYTHONPATH=REPO)
+    # PYTHONPATH (set by main) names this checkout.
+    environment = dict(os.environ, DEFERRED_GRAD_TF_BEHAVIOR=behavior)
     command = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
                '-m', 'gpu' if on_gpu else 'not gpu', '--junitxml=' + report,
                'test_gpu.py']
@@ -118,7 +118,8 @@ def _memory(on_gpu):
     if FLAGS.quick:
       batch //= 8
     micro_batch = batch // grad_steps
-    row = {'model': description, 'batch': batch, 'grad_steps': grad_steps}
+    row = {'name': model, 'model': description, 'batch': batch,
+           'grad_steps': grad_steps}
     for name, size, steps in [('large_batch', batch, None),
                               ('bare_micro_batch', micro_batch, None),
                               ('wrapper', micro_batch, grad_steps)]:
@@ -137,19 +138,17 @@ def _memory(on_gpu):
 def _out_of_memory(memory_rows):
   """Under a limit between the wrapper's peak and the large batch's."""
   results = []
-  for model, (description, _, batch) in sorted(memory.MODELS.items()):
-    row = [r for r in memory_rows if r['model'] == description][0]
+  for row in memory_rows:
     if row['wrapper_mb'] >= row['large_batch_mb']:
-      results.append({'model': description, 'skipped':
+      results.append({'model': row['model'], 'skipped':
                       'the wrapper peaks no lower than the large batch'})
       continue
     limit = int((row['wrapper_mb'] + row['large_batch_mb']) / 2)
-    batch = row['batch']
-    grad_steps = row['grad_steps']
-    outcome = {'model': description, 'memory_limit_mb': limit}
+    batch, grad_steps = row['batch'], row['grad_steps']
+    outcome = {'model': row['model'], 'memory_limit_mb': limit}
     for name, size, steps in [('large_batch', batch, None),
                               ('wrapper', batch // grad_steps, grad_steps)]:
-      spec = '%s,SGD,%d,%s,%d' % (model, size, steps or 'none', limit)
+      spec = '%s,SGD,%d,%s,%d' % (row['name'], size, steps or 'none', limit)
       measured = common.run_child('memory', spec, timeout=FLAGS.part_timeout)
       outcome[name] = ('out of memory' if measured['out_of_memory']
                        else 'trained')

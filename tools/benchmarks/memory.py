@@ -29,8 +29,9 @@ def child(spec):
   With a limit (MiB), the first GPU gets that much memory (a logical device
   configuration), and running out of it is reported, not raised.
   """
-  model, optimizer, batch, grad_steps = spec.split(',')[:4]
-  limit_mb = int(spec.split(',')[4]) if spec.count(',') == 4 else None
+  fields = spec.split(',')
+  model, optimizer, batch, grad_steps = fields[:4]
+  limit_mb = int(fields[4]) if len(fields) == 5 else None
   grad_steps = None if grad_steps == 'none' else int(grad_steps)
   tf = common.import_tf()
   if limit_mb is not None:
