@@ -68,14 +68,24 @@ def test_its_parts_run_on_the_cpu(tmp_path):
     tests = summary['tests'][behavior]
     assert tests['failed'] == 0 and tests['passed'] >= 12, tests
   rows = {row['model'].split(' ')[0]: row for row in summary['memory']}
-  # The accumulators are the wrapper's memory over a bare micro-batch step
-  # (1x the parameter bytes of the MLP; on 2 CPU cores one process's
-  # allocator peak varies by up to 0.4x with the order ops run in), and the
-  # conv net's micro-batches need a fraction of its large batch's
-  # activations.
-  mlp = rows['1024-4096-4096-4096']
-  assert 0.5 < mlp['wrapper_minus_bare_in_parameter_bytes'] < 1.5, mlp
-  conv = rows['conv']
-  assert conv['wrapper_over_large'] < 0.5, conv
+  mlp, conv = rows['1024-4096-4096-4096'], rows['conv']
+  # The accumulators are the wrapper's memory over a bare micro-batch step:
+  # 1x the parameter bytes of the MLP. In TensorFlow's allocator one
+  # process's peak varies by up to 0.4x with the order ops run in on 2
+  # cores; the process's RSS (where this CPU's allocator keeps no
+  # statistics) by up to 0.5x more, as malloc keeps what TensorFlow frees.
+  extra = mlp['wrapper_minus_bare_in_parameter_bytes']
+  high = 1.5 if mlp['measure'] == 'allocator peak' else 2.0
+  assert 0.5 < extra < high, (
+      'MLP: wrapper - bare micro-batch = %.2fx the parameter bytes (%s), '
+      'expected 0.5x-%.1fx: %s' % (extra, mlp['measure'], high, mlp))
+  # The conv net's micro-batches need a fraction of its large batch's
+  # activations. RSS also counts TensorFlow's own few hundred MB, so there
+  # the wrapper's peak need only be lower.
+  ratio = conv['wrapper_over_large']
+  high = 0.5 if conv['measure'] == 'allocator peak' else 1.0
+  assert ratio < high, (
+      'conv: wrapper / one large batch = %.2fx (%s), expected below %.1fx: '
+      '%s' % (ratio, conv['measure'], high, conv))
   assert 'memory limit needs a GPU' not in output.read_text()
   assert summary['step'] == {'skipped': 'not in --parts'}

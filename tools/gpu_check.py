@@ -102,12 +102,19 @@ def _tests(on_gpu):
 
 
 def _device_peak(measured, on_gpu):
-  """The allocator peak (MiB) of the device the model ran on."""
+  """The allocator peak (MiB) of the device the model ran on, or None.
+
+  None where this build's allocator keeps no statistics for the trace (see
+  `benchmarks.memory.child`).
+  """
   peaks = measured['allocator_peaks_mb']
   names = [name for name in peaks if name.upper().startswith('GPU')]
   if not on_gpu:
     names = [name for name in peaks if name not in names]
   return max(peaks[name] for name in names) if names else None
+
+
+ALLOCATOR, RSS = 'allocator peak', 'peak RSS'
 
 
 def _memory(on_gpu):
@@ -120,14 +127,28 @@ def _memory(on_gpu):
     micro_batch = batch // grad_steps
     row = {'name': model, 'model': description, 'batch': batch,
            'grad_steps': grad_steps}
+    measured = {}
     for name, size, steps in [('large_batch', batch, None),
                               ('bare_micro_batch', micro_batch, None),
                               ('wrapper', micro_batch, grad_steps)]:
       spec = '%s,SGD,%d,%s' % (model, size, steps or 'none')
-      measured = common.run_child('memory', spec, timeout=FLAGS.part_timeout)
-      row[name + '_mb'] = _device_peak(measured, on_gpu)
-      row[name + '_memory_info_mb'] = measured['gpu_memory_info_peak_mb']
-      row['parameter_mb'] = measured['parameter_mb']
+      measured[name] = common.run_child('memory', spec,
+                                        timeout=FLAGS.part_timeout)
+      row[name + '_memory_info_mb'] = measured[name]['gpu_memory_info_peak_mb']
+      row['parameter_mb'] = measured[name]['parameter_mb']
+    # The allocator's peak where its trace has one (a GPU, oneDNN's CPU
+    # allocator), else, on a CPU whose allocator keeps no statistics, the
+    # process's peak RSS, which also counts TensorFlow's own few hundred MB.
+    peaks = {name: _device_peak(m, on_gpu) for name, m in measured.items()}
+    row['measure'] = ALLOCATOR
+    if None in peaks.values():
+      if on_gpu:
+        raise RuntimeError('no GPU allocator peak in the trace: %s' %
+                           measured)
+      row['measure'] = RSS
+      peaks = {name: m['peak_rss_mb'] for name, m in measured.items()}
+    for name, peak in peaks.items():
+      row[name + '_mb'] = peak
     row['wrapper_over_large'] = row['wrapper_mb'] / row['large_batch_mb']
     row['wrapper_minus_bare_in_parameter_bytes'] = (
         (row['wrapper_mb'] - row['bare_micro_batch_mb']) / row['parameter_mb'])
@@ -197,11 +218,12 @@ def _markdown(summary):
   lines.append('')
   if isinstance(summary['memory'], list):
     lines.append(common.markdown(
-        ['model (SGD, K=8), allocator peak: traced / get_memory_info',
+        ['model (SGD, K=8), peak (MB): traced / get_memory_info',
          'parameters (MB)', 'one batch of B (MB)', 'bare, B/K (MB)',
          'wrapper, K x B/K (MB)', 'wrapper / one batch',
          'wrapper - bare B/K, in parameter bytes'],
-        [[r['model'] + ', B=%d' % r['batch'], '%.1f' % r['parameter_mb']] +
+        [[r['model'] + ', B=%d, %s' % (r['batch'], r['measure']),
+          '%.1f' % r['parameter_mb']] +
          ['%.0f / %s' % (r[name + '_mb'], _mb(r[name + '_memory_info_mb']))
           for name in ['large_batch', 'bare_micro_batch', 'wrapper']] +
          ['%.2fx' % r['wrapper_over_large'],

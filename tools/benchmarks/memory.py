@@ -47,6 +47,7 @@ def child(spec):
     # A traced cycle: TensorFlow's own allocator peaks, beside the process
     # RSS, which also counts what malloc keeps after TensorFlow frees it.
     device_peaks = {}
+    tracked = set()  # allocators whose records carry their bytes in use
     for _ in range(grad_steps or 1):
       metadata = tf.compat.v1.RunMetadata()
       session.run(train_op,
@@ -59,14 +60,24 @@ def child(spec):
             device_peaks[memory.allocator_name] = max(
                 device_peaks.get(memory.allocator_name, 0),
                 memory.peak_bytes, memory.allocator_bytes_in_use)
+            if memory.allocator_bytes_in_use:
+              tracked.add(memory.allocator_name)
   except tf.errors.ResourceExhaustedError:
     print(json.dumps({'out_of_memory': True}))
     return
+  # An allocator that keeps no statistics (TensorFlow's plain `cpu` one,
+  # where oneDNN's `mkl_cpu` is not used, as on some AMD CPUs) records each
+  # op's own allocations with 0 bytes in use: the largest of those is no
+  # peak. Only allocators whose records carry their bytes in use count.
+  device_peaks = {name: peak for name, peak in device_peaks.items()
+                  if name in tracked}
   print(json.dumps({
       'out_of_memory': False,
       'gpu_memory_info_peak_mb': _gpu_memory_info_peak_mb(tf),
       'peak_rss_mb': peak_memory.peak_rss_mb(),
-      'allocator_peak_mb': max(device_peaks.values()) / 2**20,
+      # None where no allocator's trace carries its bytes in use.
+      'allocator_peak_mb': (max(device_peaks.values()) / 2**20
+                            if device_peaks else None),
       # Per allocator ('mkl_cpu', 'GPU_0_bfc', ...): tools/gpu_check.
       'allocator_peaks_mb': {name: peak / 2**20
                              for name, peak in device_peaks.items()},
@@ -99,12 +110,30 @@ def measure(model, optimizer, batch, grad_steps, repeats=3):
   """
   peaks = [common.run_child('memory', '%s,%s,%d,%s' % (
       model, optimizer, batch, grad_steps or 'none')) for _ in range(repeats)]
-  least = {key: min(p[key] for p in peaks) for key in peaks[0]
-           if not isinstance(peaks[0][key], (dict, type(None)))}
+  least = {key: _least(p[key] for p in peaks) for key in peaks[0]
+           if not isinstance(peaks[0][key], dict)}
   least['allocator_peaks_mb'] = {
       name: min(p['allocator_peaks_mb'][name] for p in peaks)
-      for name in peaks[0]['allocator_peaks_mb']}
+      for name in peaks[0]['allocator_peaks_mb']
+      if all(name in p['allocator_peaks_mb'] for p in peaks)}
   return least
+
+
+def _least(values):
+  """The least of `values` that are not None (None if all are)."""
+  values = [value for value in values if value is not None]
+  return min(values) if values else None
+
+
+def _ratio(numerator, denominator):
+  """numerator / denominator, or None where either is unknown."""
+  if numerator is None or denominator is None:
+    return None
+  return numerator / denominator
+
+
+def _text(value, form):
+  return '-' if value is None else form % value
 
 
 def run():
@@ -134,25 +163,25 @@ def run():
                            ('bare_micro_batch', bare_micro),
                            ('wrapper', wrapper)]:
       result[name + '_allocator_mb'] = measured['allocator_peak_mb']
-    result['allocator_extra_parameter_bytes'] = (
-        (result['wrapper_allocator_mb'] -
-         result['bare_micro_batch_allocator_mb']) / parameter_mb)
+    # None where this build's allocator trace carries no peaks (see child).
+    result['allocator_extra_parameter_bytes'] = _ratio(
+        None if result['wrapper_allocator_mb'] is None or
+        result['bare_micro_batch_allocator_mb'] is None else
+        result['wrapper_allocator_mb'] -
+        result['bare_micro_batch_allocator_mb'], parameter_mb)
     results.append(result)
     print('memory: %s' % result, flush=True)
-    rows.append([
-        description, '%.1f' % parameter_mb,
-        '%.0f / %.0f' % (result['large_batch_mb'],
-                         result['large_batch_allocator_mb']),
-        '%.0f / %.0f' % (result['bare_micro_batch_mb'],
-                         result['bare_micro_batch_allocator_mb']),
-        '%.0f / %.0f' % (result['wrapper_mb'], result['wrapper_allocator_mb']),
-        '%.2fx / %.2fx' % (result['wrapper_over_large'],
-                           result['wrapper_allocator_mb'] /
-                           result['large_batch_allocator_mb']),
-        '%+.0f MB = %.2fx / %.2fx' % (result['extra_mb'],
-                                      result['extra_parameter_bytes'],
-                                      result['allocator_extra_parameter_bytes'])
-    ])
+    rows.append([description, '%.1f' % parameter_mb] + [
+        '%.0f / %s' % (result[name + '_mb'],
+                       _text(result[name + '_allocator_mb'], '%.0f'))
+        for name in ['large_batch', 'bare_micro_batch', 'wrapper']] + [
+            '%.2fx / %s' % (result['wrapper_over_large'], _text(_ratio(
+                result['wrapper_allocator_mb'],
+                result['large_batch_allocator_mb']), '%.2fx')),
+            '%+.0f MB = %.2fx / %s' % (
+                result['extra_mb'], result['extra_parameter_bytes'],
+                _text(result['allocator_extra_parameter_bytes'], '%.2fx'))])
+  # '-' in a TF column: this build's allocator trace records no peaks.
   table = common.markdown(
       ['model (SGD, K=%d)' % grad_steps, 'parameters (MB)',
        'one batch of B: RSS / TF (MB)', 'bare, batch B/K: RSS / TF (MB)',
