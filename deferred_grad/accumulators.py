@@ -12,8 +12,9 @@ share one small interface:
 
 `DenseAccumulator` adds and zeroes in place;
 `ShardedAccumulator` reads through an XLA sharding annotation;
-`SparseAccumulator` scatter-adds rows and hands on those the cycle touched;
-`PassThrough` (grad_steps=1) accumulates nothing.
+`SparseAccumulator` scatter-adds rows and hands on those the cycle touched.
+With grad_steps=1 there is none: the optimizer applies the micro-step's
+gradients themselves.
 """
 
 from __future__ import absolute_import
@@ -21,6 +22,7 @@ from __future__ import division
 from __future__ import print_function
 
 from deferred_grad import compat
+from deferred_grad import distribute
 from deferred_grad import sharding
 from deferred_grad import variables
 from deferred_grad import zeros
@@ -281,43 +283,6 @@ def _nonzero_rows(value):
   return tf.reshape(tf.where(nonzero), [-1])
 
 
-class PassThrough(object):
-  """grad_steps=1: no accumulator; the apply step reads the gradient itself.
-
-  The micro-step is the update, so every keyword's logic (clipping, the
-  non-finite policy, the cross-replica sum) runs on the gradient as it came,
-  at the cost of a bare step.
-
-  Args:
-    sparse: hand on an IndexedSlices as it is (else densified).
-  """
-
-  def __init__(self, sparse):
-    self._sparse = sparse
-    self._gradient = None
-
-  def mark(self):
-    return tf.no_op()
-
-  def add(self, gradient):
-    """Keeps `gradient` for `read`; makes no op but a no-op.
-
-    (It may run inside a policy's `tf.cond` branch, where a new tensor could
-    not be read from the apply step.)
-    """
-    self._gradient = gradient
-    return tf.no_op()
-
-  def read(self):
-    if isinstance(self._gradient, tf.IndexedSlices) and not self._sparse:
-      return tf.convert_to_tensor(self._gradient)
-    return self._gradient
-
-  def reset(self, after, gradient):
-    del gradient
-    return after
-
-
 def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
            num_partitions=None, in_xla=False, local=None):
   """Creates `variable`'s accumulator of the kind its gradient needs.
@@ -335,11 +300,8 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
       servers): the accumulator is then the worker's own, not a slot.
 
   Returns:
-    A `PassThrough` (grad_steps=1), `DenseAccumulator`,
-    `ShardedAccumulator` or `SparseAccumulator`.
+    A `DenseAccumulator`, `ShardedAccumulator` or `SparseAccumulator`.
   """
-  if grad_steps == 1:
-    return PassThrough(sparse)
   if local is not None:
     return local.accumulator(variable, gradient, grad_steps, sparse,
                              dtype or variable.dtype.base_dtype)
@@ -349,6 +311,18 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
   if num_partitions is None:
     return DenseAccumulator(slot, grad_steps)
   return ShardedAccumulator(slot, grad_steps, num_partitions)
+
+
+def create_all(opt, grads_and_vars, grad_steps, sparse, dtype=None,
+               num_partitions=None, in_xla=False, local=None):
+  """`create` for each (gradient, variable) pair; a list.
+
+  Per replica and saved as their sum under a multi-replica strategy (see
+  `distribute.summed_on_save`).
+  """
+  with distribute.summed_on_save():
+    return [create(opt, v, g, grad_steps, sparse, dtype, num_partitions,
+                   in_xla, local) for g, v in grads_and_vars]
 
 
 def reset_all(accumulators, gradients, after):

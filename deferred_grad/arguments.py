@@ -6,7 +6,10 @@ from __future__ import print_function
 
 import numbers
 
+import six
+
 from deferred_grad import compat
+from deferred_grad import distribute
 
 tf = compat.import_tensorflow()
 
@@ -145,3 +148,87 @@ def check_cross_replica_sum(apply_crs_to_grad):
         'tf.compat.v1.tpu.rewrite); this train op is built outside one, for '
         'a CPU or GPU. Pass apply_crs_to_grad=False there, e.g. '
         'apply_crs_to_grad=use_tpu with the use_tpu you give TPUEstimator.')
+
+
+def check_choice(value, choices, arg_name):
+  """Returns `value` if it is one of `choices`, or raises naming `arg_name`.
+
+  Raises:
+    ValueError: `value` is not one of `choices`.
+  """
+  if not any(value is choice or (value is not None and value == choice)
+             for choice in choices):
+    raise ValueError('%s must be one of %s, got %r.' %
+                     (arg_name, choices, value))
+  return value
+
+
+def check_micro_batch_weight(micro_batch_weight):
+  """Returns `micro_batch_weight`, or raises a TypeError naming it.
+
+  Raises:
+    TypeError: neither None, a tensor nor a callable.
+  """
+  if not (micro_batch_weight is None or callable(micro_batch_weight) or
+          tf.is_tensor(micro_batch_weight)):
+    raise TypeError(
+        'micro_batch_weight must be None, a scalar tensor (e.g. the '
+        'micro-batch\'s token count) or a callable returning one, got %r of '
+        'type %s.' % (micro_batch_weight, type(micro_batch_weight).__name__))
+  return micro_batch_weight
+
+
+def weight_tensor(micro_batch_weight):
+  """This micro-step's weight as a float32 scalar, or None without weights.
+
+  A callable is called here: in `apply_gradients`, on each replica.
+
+  Raises:
+    ValueError: the weight is not a scalar.
+  """
+  if micro_batch_weight is None:
+    return None
+  weight = (micro_batch_weight() if callable(micro_batch_weight) else
+            micro_batch_weight)
+  weight = tf.cast(tf.convert_to_tensor(weight), tf.float32)
+  if weight.shape.rank not in (None, 0):
+    raise ValueError('micro_batch_weight must be a scalar, got shape %s.' %
+                     (weight.shape,))
+  return weight
+
+
+def check_apply_gradients(grads_and_vars, global_step, name,
+                          replica_context, use_tpu, apply_crs_to_grad):
+  """Checks `apply_gradients`' arguments; returns the pairs with a gradient.
+
+  Args:
+    grads_and_vars, global_step, name: `apply_gradients`' arguments.
+    replica_context: where it was called (None: a cross-replica context).
+    use_tpu, apply_crs_to_grad: the wrapper's keywords.
+
+  Raises:
+    RuntimeError: in eager mode or inside a `tf.function`; on the GPU path
+      in a cross-replica context; under a multi-worker
+      ParameterServerStrategy (see `distribute.check_replicas`).
+    TypeError: `global_step` is not a `Variable`, or `name` not a string.
+    ValueError: no pairs, or every gradient is None; or the gradients come
+      from a `SyncReplicasOptimizer`; or `apply_crs_to_grad=True` outside a
+      TPU computation.
+  """
+  check_graph_mode('apply_gradients')
+  grads_and_vars = tuple(grads_and_vars)
+  if not grads_and_vars:
+    raise ValueError('No variables provided.')
+  if global_step is not None and not isinstance(global_step, tf.Variable):
+    raise TypeError('global_step must be None or a tf.Variable, got %r.' %
+                    (global_step,))
+  if name is not None and not isinstance(name, six.string_types):
+    raise TypeError('name must be None or a string, got %r.' % (name,))
+  present = [(g, v) for g, v in grads_and_vars if g is not None]
+  check_not_synced([g for g, _ in present])
+  if not present:
+    raise ValueError('No gradients provided for any variable: %s.' %
+                     ([v.name for _, v in grads_and_vars],))
+  distribute.check_replicas(replica_context, use_tpu)
+  check_cross_replica_sum(apply_crs_to_grad)
+  return present

@@ -135,6 +135,17 @@ def summed_on_save():
     yield
 
 
+def first_replica(distribution, value):
+  """`value`, or its first replica's where `distribution` is a strategy.
+
+  In a `merge_call`, values that differ per replica arrive as PerReplica;
+  the train op's state and variables are the same on every replica.
+  """
+  if distribution is None:
+    return value
+  return distribution.experimental_local_results(value)[0]
+
+
 def sum_over_replicas(distribution, values_fn, *args):
   """Sums `values_fn(*args)`'s scalars over all replicas, cross-replica.
 

@@ -1,19 +1,7 @@
-"""Numerics of the accumulated gradient: non-finite policies and clipping.
+"""Numerics of the accumulated gradient: finiteness checks and clipping.
 
-A non-finite policy decides what a micro-batch whose gradient holds a NaN or
-an inf does. It is one object per train op with the same small interface for
-every policy, called by the optimizer at two points (as optax keeps
-`skip_not_finite` pluggable):
-
-* on every micro-step, `micro_step(gradients, accumulate)`: the op that
-  checks the micro-batch and runs `accumulate()` only for a good one;
-* on the apply step, `statistics()` (this replica's counts of the cycle,
-  which the optimizer sums over the replicas, once per cycle) and then
-  `decide(totals)`: whether to apply, and over how many micro-batches the
-  mean is; `count(totals, applied)` updates the totals of what was skipped,
-  and `reset()` starts the next cycle's counts on each replica.
-
-`policy(name, grad_steps)` returns the object for a `nonfinite_policy`.
+What a `nonfinite_policy` then does with a non-finite micro-batch is
+decided in `cycle_state` (`should_apply`, `scale`).
 """
 
 from __future__ import absolute_import
@@ -21,12 +9,8 @@ from __future__ import division
 from __future__ import print_function
 
 from deferred_grad import compat
-from deferred_grad import distribute
-from deferred_grad import variables
 
 tf = compat.import_tensorflow()
-
-NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
 
 
 def _values(gradient):
@@ -42,6 +26,20 @@ def map_values(gradient, fn):
   return fn(gradient)
 
 
+def weigh(gradients, weight):
+  """The gradients times `weight` (in their dtype), or as they are."""
+  if weight is None:
+    return list(gradients)
+  return [map_values(g, lambda x: x * tf.cast(weight, x.dtype))
+          for g in gradients]
+
+
+def cast_like(gradients, var_list):
+  """Each gradient cast to its variable's dtype (from the accumulator's)."""
+  return [map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
+          for g, v in zip(gradients, var_list)]
+
+
 def all_finite(gradients):
   """A boolean scalar: True if no gradient holds a NaN or an inf.
 
@@ -49,156 +47,6 @@ def all_finite(gradients):
   """
   return tf.reduce_all(
       [tf.reduce_all(tf.math.is_finite(_values(g))) for g in gradients])
-
-
-class KeepNonfinite(object):
-  """`nonfinite_policy=None`, the original's: accumulate every micro-batch."""
-
-  name = None
-  has_statistics = False  # whether the apply step needs `statistics()`
-  skipped_micro_batches = None
-  skipped_cycles = None
-
-  def create_variables(self, local=None):
-    del local
-
-  def micro_step(self, gradients, accumulate):
-    del gradients
-    return accumulate()
-
-  def statistics(self):
-    """This replica's counts of the cycle, to be summed over replicas."""
-    return []
-
-  def decide(self, totals, replicas):
-    """(apply now?, good micro-batches per replica) from the summed counts.
-
-    None for either means: always / all of them.
-    """
-    del totals, replicas
-    return None, None
-
-  def count(self, totals, applied):
-    del totals, applied
-    return []
-
-  def reset(self):
-    return []
-
-  def variables(self):
-    return []
-
-
-class _SkipNonfinite(KeepNonfinite):
-  """Checks every micro-batch, adds only finite ones, and counts them.
-
-  Its variables: on each replica, the current cycle's counts (float32, saved
-  as their sum over replicas, see `distribute.summed_on_save`):
-    good_micro_batches: finite micro-batches, added to the accumulators;
-    nonfinite_micro_batches: skipped ones;
-  and the totals (int64, the same on every replica), updated on apply steps:
-    skipped_micro_batches: micro-batches skipped, over all replicas;
-    skipped_cycles: cycles that applied nothing.
-
-  Args:
-    grad_steps: micro-steps per cycle.
-  """
-
-  has_statistics = True
-
-  def __init__(self, grad_steps):
-    self._grad_steps = grad_steps
-    self.good_micro_batches = None
-
-  def create_variables(self, local=None):
-    with distribute.summed_on_save():
-      self.good_micro_batches = variables.own_variable(
-          'good_micro_batches', tf.float32, local=local)
-      self.nonfinite_micro_batches = variables.own_variable(
-          'nonfinite_micro_batches', tf.float32, local=local)
-    total = lambda name: variables.own_variable(  # pylint: disable=g-long-lambda
-        name, tf.int64, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        local=local)
-    self.skipped_micro_batches = total('skipped_micro_batches')
-    self.skipped_cycles = total('skipped_cycles')
-
-  def micro_step(self, gradients, accumulate):
-    finite = all_finite(gradients)
-    added = compat.cond(finite, accumulate, tf.no_op)
-    good = tf.cast(finite, tf.float32)
-    with tf.control_dependencies([added]):
-      return tf.group(
-          compat.local_variable(self.good_micro_batches).assign_add(
-              good, read_value=False),
-          compat.local_variable(self.nonfinite_micro_batches).assign_add(
-              1.0 - good, read_value=False))
-
-  def statistics(self):
-    return [compat.local_variable(v).read_value()
-            for v in (self.good_micro_batches, self.nonfinite_micro_batches)]
-
-  def count(self, totals, applied):
-    _, nonfinite = totals
-    return [
-        self.skipped_micro_batches.assign_add(
-            tf.cast(tf.round(nonfinite), tf.int64), read_value=False),
-        self.skipped_cycles.assign_add(
-            1 - tf.cast(applied, tf.int64), read_value=False)]
-
-  def reset(self):
-    return [compat.local_variable(v).assign(0.0, read_value=False)
-            for v in (self.good_micro_batches, self.nonfinite_micro_batches)]
-
-  def variables(self):
-    if self.good_micro_batches is None:
-      return []
-    return [self.good_micro_batches, self.nonfinite_micro_batches,
-            self.skipped_micro_batches, self.skipped_cycles]
-
-
-class SkipMicroBatch(_SkipNonfinite):
-  """'skip_micro_batch': the cycle applies the mean of its finite ones."""
-
-  name = 'skip_micro_batch'
-
-  def decide(self, totals, replicas):
-    good, _ = totals
-    # Rounded: the counts are sums of float32 parts after a restore.
-    return tf.round(good) > 0, good / replicas
-
-
-class SkipCycle(_SkipNonfinite):
-  """'skip_cycle': a cycle with a non-finite micro-batch applies nothing."""
-
-  name = 'skip_cycle'
-
-  def decide(self, totals, replicas):
-    del replicas
-    _, nonfinite = totals
-    return tf.equal(tf.round(nonfinite), 0), None
-
-
-def policy(name, grad_steps):
-  """The policy object for a `nonfinite_policy` keyword.
-
-  Args:
-    name: one of NONFINITE_POLICIES.
-    grad_steps: micro-steps per cycle.
-
-  Returns:
-    A policy object (see the module docstring).
-
-  Raises:
-    ValueError: an unknown `name`.
-  """
-  if name not in NONFINITE_POLICIES:
-    raise ValueError('nonfinite_policy must be one of %s, got %r.' %
-                     (NONFINITE_POLICIES, name))
-  if name == 'skip_micro_batch':
-    return SkipMicroBatch(grad_steps)
-  if name == 'skip_cycle':
-    return SkipCycle(grad_steps)
-  return KeepNonfinite()
 
 
 def clip_by_global_norm(gradients, clip_norm):

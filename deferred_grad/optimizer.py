@@ -1,16 +1,26 @@
-"""Optimizer wrapper for deferred (accumulated) gradient application."""
+"""Optimizer wrapper for deferred (accumulated) gradient application.
+
+The algorithm reads top to bottom from `apply_gradients`: 1. the micro-step
+(`_micro_step`: check, weigh, add); 2. one decision, a `tf.cond` on the
+cycle's end (`_cycle_end`: GPU path after a `merge_call`, on the step; TPU
+path on `update_count`); 3. on the cycle's last micro-step the apply step
+(`_apply_step`: sum the cycle's counts over replicas once, decide, then on
+each replica `_apply_and_reset`); 4. advance the step. With grad_steps=1
+the micro-step is its own cycle and step 3 reads its gradients.
+
+The mechanics are one call away, called with values: `accumulators`,
+`cycle_state` (counters as data, the decisions), `numerics`, `steps`,
+`distribute` (replica sums) and `placement` (parameter-server workers).
+"""
 
 from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
-import six
-
 from deferred_grad import accumulators as accumulators_lib
-from deferred_grad import aggregation as aggregation_lib
 from deferred_grad import arguments
 from deferred_grad import compat
-from deferred_grad import cycle as cycle_lib
+from deferred_grad import cycle_state
 from deferred_grad import distribute
 from deferred_grad import numerics
 from deferred_grad import placement
@@ -30,11 +40,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   # Each run of train_op is a micro-step; every 8th also applies the update.
   ```
 
-  Large hardware configurations are in high demand and difficult to come by.
-  This wrapper simulates one by accumulating the gradients of `grad_steps`
-  micro-batches in a slot per variable and handing their mean to the wrapped
-  optimizer once per cycle, so that training matches one batch `grad_steps`
-  times larger. A few caveats apply:
+  It accumulates the gradients of `grad_steps` micro-batches in a slot per
+  variable and hands their mean to the wrapped optimizer once per cycle, so
+  that training matches one batch `grad_steps` times larger. Caveats:
 
   * Batch statistics (e.g. batch norm) stay based on the micro-batch.
   * `global_step` is incremented on every micro-step, by the wrapper, at any
@@ -43,21 +51,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   * With `grad_steps=1` nothing is accumulated (no accumulator variables),
     and every other keyword still applies.
 
-  Two code paths build the cycle logic:
-
-  * GPU path (`use_tpu=False`): accumulation runs in the replica context; a
-    `merge_call` then decides in an in-graph `tf.cond` on the step counter
-    whether this micro-step ends the cycle. If so each replica calls the
-    wrapped optimizer's `apply_gradients`, which all-reduces, so replicas talk
-    only on apply steps.
-  * TPU path (`use_tpu=True`): a scalar counter variable `update_count`
-    decides in an in-graph `tf.cond`, without `merge_call`.
-
-  What a micro-step and an apply step do is `cycle.Cycle`; the mechanics are
-  one call away, each in the module named for it: `accumulators`,
-  `aggregation` (mean, sum, weights), `numerics` (non-finite policies,
-  clipping), `steps` (the cycle counter), `variables` (the wrapper's own
-  variables) and `distribute` (replicas, multi-worker helpers).
+  Two code paths build the cycle logic, as the original's: the GPU path
+  (`use_tpu=False`) decides after a `merge_call`, and each replica's
+  wrapped `apply_gradients` all-reduces, so replicas talk only on apply
+  steps; the TPU path (`use_tpu=True`) decides on its `update_count`
+  without one. The module docstring walks through both.
   """
 
   def __init__(self,
@@ -83,20 +81,19 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       xla_num_partitions: None, or a positive int: annotate accumulator reads
         with an XLA sharding over that many partitions (`sharding`).
       use_tpu: bool; True selects the TPU path described above.
-      sparse_as_dense: bool. False (the default) accumulates sparse gradients
-        (`tf.IndexedSlices`) row by row and hands the wrapped optimizer an
-        `IndexedSlices` over the rows the cycle touched; True densifies
-        them, as the original did.
+      sparse_as_dense: bool. False accumulates `tf.IndexedSlices` row by row
+        and hands on the rows the cycle touched; True densifies them (the
+        original's).
       nonfinite_policy: what a micro-batch with a NaN or inf gradient does:
         None (the original's: it poisons the update), 'skip_micro_batch'
         (the cycle applies the mean of its finite micro-batches) or
-        'skip_cycle' (the cycle applies nothing). See `numerics`.
+        'skip_cycle' (the cycle applies nothing). See `cycle_state`.
       accumulator_dtype: None (the variable's dtype), or a wider float dtype
         such as tf.float32 to sum half-precision gradients in.
-      clip_norm: None, or a positive float: clip the cycle's gradient to this
-        global norm (over all replicas) before it is applied.
+      clip_norm: None, or a positive float: the cycle's gradient is clipped
+        to this global norm (over all replicas).
       aggregation: 'mean' (the default, the original's) or 'sum': what the
-        cycle applies of its micro-batch gradients. See `aggregation`.
+        cycle applies of its micro-batch gradients. See `cycle_state`.
       micro_batch_weight: None, or a scalar tensor (or a callable returning
         one, called in `apply_gradients` on each replica): the micro-step's
         weight, e.g. its token count; the cycle then applies the weighted
@@ -114,8 +111,6 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     self._use_tpu = arguments.check_bool(use_tpu, 'use_tpu')
     self._sparse_as_dense = arguments.check_bool(sparse_as_dense,
                                                  'sparse_as_dense')
-    numerics.policy(nonfinite_policy, grad_steps)  # checks the name
-    self._nonfinite_policy = nonfinite_policy
     self._accumulator_dtype = arguments.check_accumulator_dtype(
         accumulator_dtype)
     self._clip_norm = arguments.check_clip_norm(clip_norm)
@@ -123,13 +118,15 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       xla_num_partitions = arguments.check_positive_int(
           xla_num_partitions, 'xla_num_partitions')
     self._xla_num_partitions = xla_num_partitions
-    self._aggregation, self._micro_batch_weight = aggregation_lib.check(
-        aggregation, micro_batch_weight)
+    self._micro_batch_weight = arguments.check_micro_batch_weight(
+        micro_batch_weight)
+    self._rules = cycle_state.Rules(grad_steps, nonfinite_policy, aggregation,
+                                    micro_batch_weight is not None)
     super(GradientAggregationOptimizer, self).__init__(
         use_locking=False, name='GradientAggregationOptimizer')
     self._opt = opt
     self._grad_steps = grad_steps
-    self._train_ops = []  # the `cycle.TrainOpState` of each train op built
+    self._states = []  # the `cycle_state.TrainOpState` of each train op
     self.strategy = tf.distribute.get_strategy()
 
   @property
@@ -141,40 +138,37 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def skipped_micro_batches(self):
     """int64 variable: micro-batches a `nonfinite_policy` skipped, or None.
 
-    That of the train op built last; the total over replicas, updated on
-    each apply step.
+    That of the train op built last, over replicas, on each apply step.
     """
-    return self._last_train_op().policy.skipped_micro_batches
+    return self._last_state().skipped_micro_batches
 
   @property
   def skipped_cycles(self):
     """int64 variable: cycles a `nonfinite_policy` applied nothing in."""
-    return self._last_train_op().policy.skipped_cycles
+    return self._last_state().skipped_cycles
 
   def applies_update(self):
     """A boolean tensor: True when this run of the train op ends a cycle.
 
-    Fetch it with the train op (it is computed from the step the train op
-    reads, before it counts the micro-step), or use it in the graph, e.g. to
-    write a summary only on apply steps. That of the train op built last.
-    With a `nonfinite_policy` a cycle may end without applying anything
-    (counted in `skipped_cycles`).
+    Fetch it with the train op (it is the step the train op reads, before
+    it counts the micro-step), or use it in the graph, e.g. for summaries on
+    apply steps only. That of the train op built last. With a
+    `nonfinite_policy` a cycle may end applying nothing (`skipped_cycles`).
 
     Raises:
       ValueError: no train op has been built yet.
     """
-    return self._last_train_op().applies_update(self._grad_steps)
+    return self._last_state().applies_update(self._grad_steps)
 
   def micro_step_in_cycle(self):
     """An int64 tensor: this run's place in its cycle (see applies_update)."""
-    return self._last_train_op().micro_step_in_cycle(self._grad_steps)
+    return self._last_state().micro_step_in_cycle(self._grad_steps)
 
-  def _last_train_op(self):  # the train op built last
-    if not self._train_ops:
-      raise ValueError('No train op has been built with this '
-                       'GradientAggregationOptimizer yet: call minimize or '
-                       'apply_gradients first.')
-    return self._train_ops[-1]
+  def _last_state(self):  # that of the train op built last
+    if not self._states:
+      raise ValueError('No train op has been built with this wrapper yet: '
+                       'call minimize or apply_gradients first.')
+    return self._states[-1]
 
   def compute_gradients(self, loss, var_list=None, **kwargs):
     """Delegates to the wrapped optimizer's `compute_gradients`."""
@@ -199,182 +193,188 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       An op that runs one micro-step.
 
     Raises:
-      TypeError: `global_step` is not a `Variable`, or `name` not a string.
-      ValueError: `grads_and_vars` is empty, or every gradient is None; or
-        `global_step` is counted by another train op of a wrapper in this
-        graph; or `apply_crs_to_grad=True` outside a TPU computation; or the
-        wrapper is wrapped by a `SyncReplicasOptimizer`.
-      RuntimeError: in eager mode or `tf.function`; on the GPU path in a
-        cross-replica context; under a multi-worker ParameterServerStrategy.
+      TypeError, ValueError, RuntimeError: see
+        `arguments.check_apply_gradients`; and ValueError: `global_step` is
+        counted by another train op of a wrapper in this graph.
     """
-    arguments.check_graph_mode('apply_gradients')
-    grads_and_vars = tuple(grads_and_vars)
-    if not grads_and_vars:
-      raise ValueError('No variables provided.')
-    if global_step is not None and not isinstance(global_step, tf.Variable):
-      raise TypeError('global_step must be None or a tf.Variable, got %r.' %
-                      (global_step,))
-    if name is not None and not isinstance(name, six.string_types):
-      raise TypeError('name must be None or a string, got %r.' % (name,))
-    present = [(g, v) for g, v in grads_and_vars if g is not None]
-    arguments.check_not_synced([g for g, _ in present])
-    if not present:
-      raise ValueError('No gradients provided for any variable: %s.' %
-                       ([v.name for _, v in grads_and_vars],))
-    var_list = [v for _, v in present]
     replica_context = tf.distribute.get_replica_context()
-    distribute.check_replicas(replica_context, self._use_tpu)
-    arguments.check_cross_replica_sum(self._apply_crs_to_grad)
-
+    present = arguments.check_apply_gradients(
+        grads_and_vars, global_step, name, replica_context, self._use_tpu,
+        self._apply_crs_to_grad)
+    var_list = [v for _, v in present]
+    # With grad_steps=1 the micro-step is its cycle: nothing accumulates.
+    accumulates = self._grad_steps > 1  # decided here, once
     # Where the wrapped optimizer's non-slot variables go: found before this
     # method opens its own name scope, so that `name` changes op names only.
-    wrapped_vars_scope = variables_lib.wrapped_vars_scope(self._grad_steps)
+    wrapped_vars_scope = variables_lib.wrapped_vars_scope(accumulates)
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
     with tf.compat.v1.name_scope(name, self._name) as scope:
       # Variables on parameter servers: the state is the worker's own.
-      worker = placement.worker_device(var_list)
-      local = placement.WorkerLocal(worker) if worker else None
+      local = placement.worker_local(var_list)
+      # Sparse or dense is fixed at graph build, from the gradients' types;
+      # a cross-replica sum needs the same shape on every core: dense.
+      sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
+      accumulators = None
       with tf.init_scope():
-        # Which accumulators take (and hand on) sparse gradients is fixed
-        # when the graph is built, from the gradients' types. A cross-replica
-        # sum needs the same shape on every core: dense.
-        sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
-        with distribute.summed_on_save():
-          accumulators = [
-              accumulators_lib.create(
-                  self._opt, v, g, self._grad_steps, sparse,
-                  self._accumulator_dtype, self._xla_num_partitions, in_xla,
-                  local) for g, v in present
-          ]
-        state = self._train_op_state(replica_context, global_step, local)
-      cycle = cycle_lib.Cycle(
-          self._opt, self._grad_steps, [g for g, _ in present], var_list,
-          accumulators, state,
-          aggregation_lib.weight_tensor(self._micro_batch_weight),
-          self._clip_norm, self._apply_crs_to_grad)
-      accumulate = cycle.micro_step()
+        if accumulates:
+          accumulators = accumulators_lib.create_all(
+              self._opt, present, self._grad_steps, sparse,
+              self._accumulator_dtype, self._xla_num_partitions, in_xla,
+              local)
+        state = cycle_state.train_op_state(
+            self._rules, replica_context, global_step, local, accumulates,
+            own_counter=accumulates and (
+                self._use_tpu or global_step is None or local is not None))
+      if not any(state is own for own in self._states):
+        self._states.append(state)
+      part = cycle_state.ReplicaPart(state, var_list, accumulators)
+      accumulate = self._micro_step(
+          part, [g for g, _ in present],
+          arguments.weight_tensor(self._micro_batch_weight), sparse)
+      # The cycle is decided on the wrapper's own counter if it has one,
+      # else on the global step the train op counts.
+      step = global_step if state.counter is None else state.counter
+      also = global_step if step is not global_step else None
       if self._use_tpu:
         variables_lib.create_wrapped_slots(self._opt, var_list,
                                            wrapped_vars_scope)
-        return self._apply_on_tpu(accumulate, cycle, global_step)
-    # The cycle is decided on the step the train op counts, or on its own.
-    step = global_step if state.counter is None else state.counter
-    also = global_step if step is not global_step else None
+        return self._cycle_end(None, [accumulate], part, step, also)
     # The original's GPU path: merge_call outside tf.cond.
     return replica_context.merge_call(
-        self._apply_on_cycle_end,
-        args=(accumulate, cycle, step, also, wrapped_vars_scope, scope))
+        self._cycle_end_across_replicas,
+        args=(accumulate, part, step, also, wrapped_vars_scope, scope))
 
-  def _train_op_state(self, replica_context, global_step, local):
-    """This train op's `cycle.TrainOpState`, made once for all replicas.
+  # -------------------------------------------------------- the algorithm --
 
-    Call under `tf.init_scope()`. See `variables.train_op_state`; `local` is
-    a `placement.WorkerLocal` or None.
+  def _micro_step(self, part, gradients, weight, sparse):
+    """1. This replica's micro-step: check, weigh, add. Returns its op.
+
+    Without accumulators, `part` keeps the weighed gradients and counts.
     """
+    rules = self._rules
+    finite = None
+    if rules.nonfinite_policy:
+      checked = gradients + ([weight] if weight is not None else [])
+      finite = numerics.all_finite(checked)
+    gradients = numerics.weigh(gradients, weight)
+    counts = cycle_state.increments(rules, finite, weight)
+    if part.accumulators is None:
+      part.keep_micro_step(gradients, counts, sparse)
+      return tf.no_op()
 
-    def create():
-      own_counter = self._grad_steps > 1 and (
-          self._use_tpu or global_step is None or local is not None)
-      if global_step is not None:
-        variables_lib.count_global_step(global_step, self._grad_steps)
-        distribute.plain_global_step_read(global_step)
-      policy = numerics.policy(self._nonfinite_policy, self._grad_steps)
-      policy.create_variables(local)
-      aggregation = aggregation_lib.Aggregation(
-          self._grad_steps, self._aggregation,
-          self._micro_batch_weight is not None)
-      aggregation.create_variables(local)
-      counter = None
-      if own_counter:
-        counter = steps.create_counter(local)
-      return cycle_lib.TrainOpState(policy, aggregation, counter)
+    def add():
+      adds = [a.add(g) for a, g in zip(part.accumulators, gradients)]
+      return tf.group(*adds, name='accumulate')
 
-    state = variables_lib.train_op_state(replica_context, create)
-    if not any(state is own for own in self._train_ops):
-      self._train_ops.append(state)
-    return state
+    added = add() if finite is None else compat.cond(finite, add, tf.no_op)
+    with tf.control_dependencies([added]):
+      counted = cycle_state.add_counts(part.state, counts)
+    # Every micro-step is marked, skipped or not (see SparseAccumulator).
+    marks = [a.mark() for a in part.accumulators]
+    return tf.group(added, *(counted + marks))
 
-  # ---------------------------------------------------------------- paths --
-
-  def _apply_on_cycle_end(self, distribution, accumulate, cycle, step, also,
-                          wrapped_vars_scope, scope):
-    """GPU path, cross-replica context: apply on the cycle's last step.
-
-    The cycle is decided on `step`; `also` (None, or a global step) counts too.
-    """
-    # Strings, ops and objects that differ per replica arrive as PerReplica.
-    first = lambda value: distribution.experimental_local_results(value)[0]
-    wrapped_vars_scope = tuple(first(part) for part in wrapped_vars_scope)
-    scope = first(scope)
-    accumulate = distribution.experimental_local_results(accumulate)
-    # The train op's state and variables are the same on every replica.
-    state, var_list = first(cycle).state, first(cycle).var_list
-    variables_lib.create_wrapped_slots(self._opt, var_list,
+  def _cycle_end_across_replicas(self, distribution, accumulate, part, step,
+                                 also, wrapped_vars_scope, scope):
+    """The GPU path's `merge_call`: `_cycle_end` in cross-replica context."""
+    first = lambda value: distribute.first_replica(distribution, value)
+    wrapped_vars_scope = tuple(first(p) for p in wrapped_vars_scope)
+    variables_lib.create_wrapped_slots(self._opt, first(part).var_list,
                                        wrapped_vars_scope)
-    with tf.compat.v1.name_scope(scope):
+    with tf.compat.v1.name_scope(first(scope)):
+      return self._cycle_end(
+          distribution, distribution.experimental_local_results(accumulate),
+          part, step, also)
 
-      def on_each_replica(apply, scale):
-        return distribution.group(distribution.extended.call_for_each_replica(
-            lambda c: c.apply_and_reset(apply, scale), args=(cycle,)))
+  def _cycle_end(self, distribution, accumulate, part, step, also):
+    """2. The decision: the apply step on the cycle's last micro-step.
 
-      def apply_and_advance():
-        sum_statistics, replicas = first(cycle).over_cores(
-            lambda: distribute.sum_over_replicas(
-                distribution, lambda c: c.statistics(), cycle),
-            distribution.num_replicas_in_sync)
-        applied = first(cycle).apply_step(sum_statistics, replicas,
-                                          on_each_replica)
-        if step is None:
-          return applied
-        with tf.control_dependencies([applied]):
-          return steps.advance(step, state.step_value, self._grad_steps,
-                               step is state.counter)
+    Args:
+      distribution: the strategy (GPU path), or None (TPU path).
+      accumulate: the micro-step's ops, one per replica.
+      part: the `cycle_state.ReplicaPart` (PerReplica under a strategy).
+      step: the step the cycle is decided on, or None (grad_steps=1).
+      also: None, or a global step counted beside `step`.
 
-      if self._grad_steps == 1:  # every micro-step applies
-        with tf.control_dependencies(accumulate):
-          return apply_and_advance()
-      with tf.control_dependencies(accumulate):
-        state.step_value = distribute.started_on_cycle_boundary(
-            step.read_value(), self._grad_steps)
-      # Both branches advance the step: its read is ordered before its write.
-      done = compat.cond(
-          steps.is_cycle_end(state.step_value, self._grad_steps),
-          apply_and_advance,
-          lambda: steps.advance(step, state.step_value, self._grad_steps,
-                                step is state.counter))
-      if also is None:
-        return done
-      with tf.control_dependencies([done]):
-        return steps.advance(also, None, self._grad_steps, False)
+    Returns:
+      The op of one micro-step.
+    """
+    first = distribute.first_replica(distribution, part)
+    state, grad_steps = first.state, self._grad_steps
 
-  def _apply_on_tpu(self, accumulate, cycle, global_step):
-    """TPU path: decide on `update_count`, read before it is incremented."""
-    state = cycle.state
-
-    def apply_step():
-      sum_statistics, cores = cycle.over_cores(cycle.statistics, 1)
-      return cycle.apply_step(sum_statistics, cores, cycle.apply_and_reset)
-
-    advances = []
-    if state.counter is None:  # grad_steps=1: every micro-step applies
-      with tf.control_dependencies([accumulate]):
-        applied = apply_step()
-    else:
-      with tf.control_dependencies([accumulate]):
-        state.step_value = state.counter.read_value()
-      applied = compat.cond(
-          steps.is_cycle_end(state.step_value, self._grad_steps), apply_step,
-          tf.no_op)
-      # The original incremented the counter beside the tf.cond that read
-      # it, with no order between the two: a race under resource variables.
+    def apply_and_advance():
+      applied = self._apply_step(distribution, part)
+      if step is None:
+        return applied
       with tf.control_dependencies([applied]):
-        advances.append(steps.advance(state.counter, state.step_value,
-                                      self._grad_steps, True))
-    if global_step is not None:
-      with tf.control_dependencies([applied]):
-        advances.append(steps.advance(global_step, None, self._grad_steps,
-                                      False))
-    return tf.group(applied, *advances)
+        return steps.advance(step, state.step_value, grad_steps,
+                             step is state.counter)
+
+    if first.accumulators is None:
+      with tf.control_dependencies(accumulate):  # every micro-step applies
+        return apply_and_advance()
+    step_value = state.read_step(step, accumulate, None if (
+        distribution is None) else distribute.started_on_cycle_boundary)
+    # Both branches advance the step: its read is ordered before its write.
+    done = compat.cond(
+        steps.is_cycle_end(step_value, grad_steps), apply_and_advance,
+        lambda: steps.advance(step, step_value, grad_steps,
+                              step is state.counter))
+    if also is None:
+      return done
+    with tf.control_dependencies([done]):
+      return steps.advance(also, None, grad_steps, False)
+
+  def _apply_step(self, distribution, part):
+    """3. Sum the counts over replicas, decide, apply and reset on each."""
+    rules = self._rules
+    state = distribute.first_replica(distribution, part).state
+    totals, replicas = cycle_state.summed_counts(
+        rules, distribution, part, self._apply_crs_to_grad)
+    fraction = cycle_state.scale(rules, totals, replicas)
+    apply_now = cycle_state.should_apply(rules, totals)
+    if apply_now is None:
+      return self._on_each_replica(distribution, part, True, fraction)
+    applied = compat.cond(
+        apply_now,
+        lambda: self._on_each_replica(distribution, part, True, fraction),
+        lambda: self._on_each_replica(distribution, part, False, None))
+    with tf.control_dependencies([applied]):
+      return tf.group(applied,
+                      *cycle_state.count_skipped(state, totals, apply_now))
+
+  def _on_each_replica(self, distribution, part, apply, fraction):
+    """`_apply_and_reset` on each replica (the TPU path: this one)."""
+    if distribution is None:
+      return self._apply_and_reset(part, apply, fraction)
+    return distribution.group(distribution.extended.call_for_each_replica(
+        lambda p: self._apply_and_reset(p, apply, fraction), args=(part,)))
+
+  def _apply_and_reset(self, part, apply, fraction):
+    """On one replica: applies the cycle's gradient (if `apply`), resets.
+
+    `fraction` (see `cycle_state.scale`) scales the accumulated sum to the
+    cycle's gradient; a cycle that applies nothing (`apply` False) resets.
+    """
+    read = part.gradients if part.accumulators is None else [
+        a.read() for a in part.accumulators]
+    done = tf.no_op()
+    if apply:
+      grads = read
+      if self._apply_crs_to_grad:
+        grads = [tf.compat.v1.tpu.cross_replica_sum(g) for g in grads]
+      grads = [numerics.map_values(
+          g, lambda x: cycle_state.apply_scale(x, fraction)) for g in grads]
+      # Clipped once the cycle's gradient is complete, as the large batch's.
+      if self._clip_norm is not None:
+        grads = numerics.clip_by_global_norm(grads, self._clip_norm)
+      grads = numerics.cast_like(grads, part.var_list)
+      done = self._opt.apply_gradients(list(zip(grads, part.var_list)))
+    if part.accumulators is None:
+      return done
+    with tf.control_dependencies([done]):
+      resets = cycle_state.reset_counts(part.state)
+    return tf.group(*(resets + accumulators_lib.reset_all(
+        part.accumulators, read, done)))
 
   # ------------------------------------------------ the wrapped optimizer --
 
@@ -394,7 +394,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     variables = list(self._opt.variables())
     graph = tf.compat.v1.get_default_graph()
-    for state in self._train_ops:
+    for state in self._states:
       variables.extend(own for own in state.variables()
                        if getattr(own, 'graph', None) is graph)
     return sorted(variables, key=lambda v: v.name)

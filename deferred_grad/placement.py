@@ -66,6 +66,12 @@ def worker_device(var_list):
   return None
 
 
+def worker_local(var_list):
+  """A `WorkerLocal` where `var_list` lives on other jobs, else None."""
+  device = worker_device(var_list)
+  return WorkerLocal(device) if device else None
+
+
 class WorkerLocal(object):
   """Creates the wrapper's state on the worker, as local variables.
 

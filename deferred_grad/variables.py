@@ -22,7 +22,8 @@ from deferred_grad import compat
 
 tf = compat.import_tensorflow()
 
-# graph -> [(global step key, grad_steps)] of the train ops that count it.
+# graph -> [(global step key, whether it accumulates)] of the train ops
+# that count it.
 _COUNTED_STEPS = weakref.WeakKeyDictionary()
 # graph -> ([state of the n-th train op], {replica id: train ops it built}).
 _TRAIN_OPS = weakref.WeakKeyDictionary()
@@ -121,17 +122,17 @@ def own_variable(name, dtype, initial_value=0,
   return variable
 
 
-def count_global_step(global_step, grad_steps):
+def count_global_step(global_step, accumulates):
   """Records that a train op counts `global_step`; refuses a conflict.
 
-  A train op with `grad_steps` > 1 decides its cycle on the `global_step`
-  it counts, so no other wrapper train op may count the same one: each
-  would see only part of the micro-steps (two train ops run in turn each
-  see every other one) and apply at the wrong micro-steps.
+  A train op that accumulates (grad_steps > 1) decides its cycle on the
+  `global_step` it counts, so no other wrapper train op may count the same
+  one: each would see only part of the micro-steps (two train ops run in
+  turn each see every other one) and apply at the wrong micro-steps.
 
   Args:
     global_step: the variable passed to `apply_gradients`.
-    grad_steps: the wrapper's `grad_steps`.
+    accumulates: whether this train op accumulates (grad_steps > 1).
 
   Raises:
     ValueError: another train op of a wrapper in this graph counts
@@ -140,8 +141,8 @@ def count_global_step(global_step, grad_steps):
   graph = tf.compat.v1.get_default_graph()
   counted = _COUNTED_STEPS.setdefault(graph, [])
   key = getattr(global_step, '_shared_name', None) or global_step.name
-  for other_key, other_grad_steps in counted:
-    if other_key == key and max(grad_steps, other_grad_steps) > 1:
+  for other_key, other_accumulates in counted:
+    if other_key == key and (accumulates or other_accumulates):
       raise ValueError(
           'global_step %s is already counted by another '
           'GradientAggregationOptimizer train op in this graph. A train op '
@@ -150,21 +151,21 @@ def count_global_step(global_step, grad_steps):
           'the wrong micro-steps. Pass global_step to one of them only and '
           'global_step=None to the others: each of those counts its cycle in '
           'a variable of its own (update_count_N).' % (global_step.name,))
-  counted.append((key, grad_steps))
+  counted.append((key, accumulates))
 
 
-def wrapped_vars_scope(grad_steps):
+def wrapped_vars_scope(in_cond):
   """Returns where the wrapped optimizer's non-slot variables go.
 
   The original called the wrapped `apply_gradients` inside a `tf.cond`, and
   optimizers name their non-slot variables (Adam's `beta1_power`, ...) after
   the current name scope. A control flow v2 branch starts at the root scope;
-  a v1 branch is under `<current scope>/cond`, uniquified. With nothing to
-  accumulate (grad_steps=1) there is no `tf.cond`: the bare optimizer's
-  scope, the caller's. Call it before opening the wrapper's name scope.
+  a v1 branch is under `<current scope>/cond`, uniquified. Without a
+  `tf.cond` (grad_steps=1), the bare optimizer's scope, the caller's. Call
+  it before opening the wrapper's name scope.
 
   Args:
-    grad_steps: the wrapper's `grad_steps`.
+    in_cond: whether the wrapped optimizer applies inside the `tf.cond`.
 
   Returns:
     (absolute scope for them, the caller's absolute scope), each '' or
@@ -173,7 +174,7 @@ def wrapped_vars_scope(grad_steps):
   graph = tf.compat.v1.get_default_graph()
   caller = graph.get_name_scope()
   caller = caller + '/' if caller else ''
-  if grad_steps == 1:
+  if not in_cond:
     return caller, caller
   if tf.compat.v1.control_flow_v2_enabled():
     return '', caller

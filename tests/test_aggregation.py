@@ -99,6 +99,97 @@ def test_weights_with_a_policy_and_clipping(grad_steps, use_tpu):
   np.testing.assert_allclose(applied, expected, rtol=1e-6)
 
 
+def _float64_cycles(gradients, weights, replicas, use_tpu, **wrapper_kwargs):
+  """What SGD(1) through the wrapper applies, in float64, per cycle.
+
+  gradients: [cycles, grad_steps, replicas, 2]; weights: the same without
+  the last axis, or None. Replica r's loss is sum(w * g) / replicas, as
+  under any strategy, so its gradient is g / replicas.
+  """
+  cycles, grad_steps = gradients.shape[:2]
+  strategy = (tf.distribute.MirroredStrategy(
+      ['/cpu:%d' % i for i in range(replicas)]) if replicas > 1 else
+              tf.distribute.get_strategy())
+  with tf.Graph().as_default(), strategy.scope():
+    w = tf.compat.v1.get_variable('w', initializer=np.zeros(2, np.float64))
+    feed = tf.compat.v1.placeholder(tf.float64, [replicas, 2])
+    weight_feed = tf.compat.v1.placeholder(tf.float32, [replicas])
+
+    def replica_id():
+      return tf.distribute.get_replica_context().replica_id_in_sync_group
+
+    if weights is not None:
+      wrapper_kwargs['micro_batch_weight'] = (
+          lambda: tf.gather(weight_feed, replica_id()))
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(1.0), grad_steps,
+        use_tpu=use_tpu, **wrapper_kwargs)
+
+    def replica_step():
+      loss = tf.reduce_sum(w * tf.gather(feed, replica_id())) / replicas
+      return optimizer.minimize(loss)
+
+    train_op = strategy.group(
+        strategy.extended.call_for_each_replica(replica_step))
+    applied = []
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for cycle in range(cycles):
+        before = session.run(w)
+        for step in range(grad_steps):
+          feeds = {feed: gradients[cycle, step]}
+          if weights is not None:
+            feeds[weight_feed] = weights[cycle, step]
+          session.run(train_op, feeds)
+        applied.append(before - session.run(w))
+  return np.array(applied)
+
+
+# The TPU path runs one replica per TPU core, not under MirroredStrategy.
+PATHS_AND_REPLICAS = [(False, 1), (True, 1), (False, 2)]
+
+
+@pytest.mark.parametrize('use_tpu, replicas', PATHS_AND_REPLICAS)
+def test_float64_weighted_cycles_are_the_token_mean(use_tpu, replicas):
+  """Every factor is computed in the accumulator's dtype: float64 here.
+
+  Token counts 3, 7, 1 (and 2, 5, 4 on a second replica): the factor
+  grad_steps * replicas / sum(w) (3/11, 6/22) is not a float32 number.
+  """
+  rng = np.random.RandomState(0)
+  gradients = rng.randn(2, 3, replicas, 2)
+  weights = np.array([[3., 2.], [7., 5.], [1., 4.]], np.float32)[:, :replicas]
+  weights = np.stack([weights, weights[::-1]])
+  applied = _float64_cycles(gradients, weights, replicas, use_tpu)
+  for cycle in range(2):
+    n = weights[cycle].astype(np.float64)[..., None]
+    expected = (n * gradients[cycle]).sum((0, 1)) / n.sum()
+    np.testing.assert_allclose(applied[cycle], expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize('use_tpu, replicas, bad', [
+    (False, 1, [(0, 1, 0)]),
+    (True, 1, [(0, 1, 0)]),
+    (False, 2, [(0, 1, 0)]),
+    # Fewer finite micro-batches than replicas: the mean is over that one.
+    (False, 2, [(0, 0, 0), (0, 1, 0), (0, 2, 0), (0, 0, 1), (0, 1, 1)]),
+])
+def test_float64_skip_micro_batch_is_the_mean_of_the_finite_ones(
+    use_tpu, replicas, bad):
+  """With one bad micro-batch of 3 (of 6) the factor is 3/2 (6/5)."""
+  rng = np.random.RandomState(1)
+  gradients = rng.randn(2, 3, replicas, 2)
+  for cycle, step, replica in bad:
+    gradients[cycle, step, replica, 0] = np.nan
+  applied = _float64_cycles(gradients, None, replicas, use_tpu,
+                            nonfinite_policy='skip_micro_batch')
+  for cycle in range(2):
+    finite = gradients[cycle].reshape(-1, 2)
+    finite = finite[np.all(np.isfinite(finite), axis=1)]
+    np.testing.assert_allclose(applied[cycle], finite.mean(0), rtol=1e-12,
+                               atol=0)
+
+
 def test_zero_weight_cycle_applies_nothing(use_tpu):
   with tf.Graph().as_default():
     w = tf.compat.v1.get_variable('w', initializer=np.ones(2, np.float32))

@@ -1,0 +1,354 @@
+"""A train op's cycle state as data, and the decisions made from it.
+
+What a train op keeps besides its accumulators is a few scalars:
+
+* its step counter `update_count` (None where `global_step` decides);
+* this cycle's counts on each replica, as one small vector (float32): the
+  finite and the non-finite micro-batches (with a `nonfinite_policy`) and
+  the sum of their weights (with `micro_batch_weight`);
+* the totals of what a policy skipped (int64, the same on every replica).
+
+A micro-step adds `increments(...)` to the counts. The apply step sums the
+counts over replicas once, and two pure functions of that sum decide:
+`should_apply` (apply now, or only reset?) and `scale` (the factor that
+turns the accumulated sum into the cycle's gradient). The non-finite
+policies differ only there, by a line each, as optax's `skip_not_finite`.
+
+The accumulators hold sum(w_i * g_i) / grad_steps (w_i = 1 without
+weights), the original's scale, so that its checkpoints restore mid-cycle.
+"""
+
+from __future__ import absolute_import
+from __future__ import division
+from __future__ import print_function
+
+from deferred_grad import arguments
+from deferred_grad import compat
+from deferred_grad import distribute
+from deferred_grad import steps
+from deferred_grad import variables
+
+tf = compat.import_tensorflow()
+
+NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
+AGGREGATIONS = ('mean', 'sum')
+GOOD, NONFINITE, WEIGHT = ('good_micro_batches', 'nonfinite_micro_batches',
+                           'micro_batch_weights')
+
+
+class Rules(object):
+  """The keywords that decide a cycle: plain values, fixed at construction.
+
+  Args:
+    grad_steps: micro-steps per cycle.
+    nonfinite_policy: one of NONFINITE_POLICIES.
+    aggregation: one of AGGREGATIONS.
+    weighted: whether micro-steps carry a `micro_batch_weight`.
+
+  Raises:
+    ValueError: an unknown `nonfinite_policy` or `aggregation`.
+  """
+
+  def __init__(self, grad_steps, nonfinite_policy, aggregation, weighted):
+    self.grad_steps = grad_steps
+    self.nonfinite_policy = arguments.check_choice(
+        nonfinite_policy, NONFINITE_POLICIES, 'nonfinite_policy')
+    self.aggregation = arguments.check_choice(aggregation, AGGREGATIONS,
+                                              'aggregation')
+    self.weighted = weighted
+
+  @property
+  def counts(self):
+    """The names of the per-replica counts a cycle keeps, in vector order."""
+    names = (GOOD, NONFINITE) if self.nonfinite_policy else ()
+    return names + ((WEIGHT,) if self.weighted else ())
+
+
+class TrainOpState(object):
+  """One train op's variables, shared by the replicas that build it.
+
+  Attributes:
+    grad_steps: micro-steps per cycle.
+    counter: its `update_count`, or None where `global_step` decides.
+    counts: {name: variable} of this cycle's per-replica counts, in the
+      order of `Rules.counts` (empty without accumulation).
+    skipped_micro_batches, skipped_cycles: int64 totals, or None without a
+      `nonfinite_policy`.
+    step_value: the step this train op's run reads before it advances it
+      (None until read; always None with grad_steps=1).
+  """
+
+  def __init__(self, grad_steps, counter, counts, skipped):
+    self.grad_steps = grad_steps
+    self.counter = counter
+    self.counts = counts
+    self.skipped_micro_batches, self.skipped_cycles = skipped
+    self.step_value = None
+
+  def read_step(self, step, after, check=None):
+    """Reads `step` after the ops `after`; returns and keeps the value.
+
+    Args:
+      step: the step variable the cycle is decided on.
+      after: ops to run first (the micro-step's accumulation).
+      check: None, or `check(value, grad_steps)` returning the value checked
+        (`distribute.started_on_cycle_boundary`).
+
+    Returns:
+      The value read.
+    """
+    with tf.control_dependencies(after):
+      value = step.read_value()
+    self.step_value = check(value, self.grad_steps) if check else value
+    return self.step_value
+
+  def applies_update(self, grad_steps):
+    """True when this run ends a cycle (always, with grad_steps=1)."""
+    if self.step_value is None:
+      return tf.constant(True)
+    return steps.is_cycle_end(self.step_value, grad_steps)
+
+  def micro_step_in_cycle(self, grad_steps):
+    """This run's place in its cycle, an int64 tensor."""
+    if self.step_value is None:
+      return tf.constant(0, tf.int64)
+    return tf.cast(tf.math.floormod(self.step_value, grad_steps), tf.int64)
+
+  def variables(self):
+    own = [self.counter] if self.counter is not None else []
+    own += [self.counts[name] for name in sorted(self.counts)]
+    return own + [v for v in (self.skipped_micro_batches, self.skipped_cycles)
+                  if v is not None]
+
+
+def create(rules, accumulates, own_counter, local=None):
+  """Creates a train op's state variables. Call under `tf.init_scope()`.
+
+  Without accumulation (grad_steps=1) a micro-step is its cycle: its counts
+  are tensors of the step (see `increments`), and only a policy's totals
+  are variables.
+
+  Args:
+    rules: the `Rules`.
+    accumulates: whether cycles span several micro-steps.
+    own_counter: create `update_count` (else `global_step` decides).
+    local: None (global variables), or a `placement.WorkerLocal`.
+
+  Returns:
+    A `TrainOpState`.
+  """
+  counts = {}
+  if accumulates:
+    with distribute.summed_on_save():  # see there: saved as their sum
+      for name in rules.counts:
+        counts[name] = variables.own_variable(name, tf.float32, local=local)
+  skipped = (None, None)
+  if rules.nonfinite_policy:
+    skipped = tuple(
+        variables.own_variable(
+            name, tf.int64,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            local=local)
+        for name in ('skipped_micro_batches', 'skipped_cycles'))
+  counter = steps.create_counter(local) if own_counter else None
+  return TrainOpState(rules.grad_steps, counter, counts, skipped)
+
+
+def train_op_state(rules, replica_context, global_step, local, accumulates,
+                   own_counter):
+  """The state of the train op being built, made once for all replicas.
+
+  Call under `tf.init_scope()`. See `variables.train_op_state`.
+
+  Args:
+    rules: the `Rules`.
+    replica_context: the current replica context, or None.
+    global_step: the global step the train op counts, or None.
+    local: None, or a `placement.WorkerLocal`.
+    accumulates: whether cycles span several micro-steps.
+    own_counter: whether the train op counts its cycle in `update_count`.
+
+  Returns:
+    A `TrainOpState`.
+
+  Raises:
+    ValueError: another wrapper train op counts `global_step` (see
+      `variables.count_global_step`).
+  """
+
+  def make():
+    if global_step is not None:
+      variables.count_global_step(global_step, accumulates)
+      distribute.plain_global_step_read(global_step)
+    return create(rules, accumulates, own_counter, local)
+
+  return variables.train_op_state(replica_context, make)
+
+
+def increments(rules, finite, weight):
+  """What one micro-step adds to this replica's counts (float32 scalars).
+
+  Args:
+    rules: the `Rules`.
+    finite: None, or a boolean scalar: the micro-batch is finite.
+    weight: None, or the micro-step's weight (float32).
+
+  Returns:
+    A list in the order of `rules.counts`.
+  """
+  added = []
+  if rules.nonfinite_policy:
+    good = tf.cast(finite, tf.float32)
+    added += [good, 1.0 - good]
+  if rules.weighted:
+    # A skipped micro-batch adds no weight (where: a NaN weight stays out).
+    added.append(weight if finite is None else
+                 tf.where(finite, weight, tf.zeros_like(weight)))
+  return added
+
+
+def add_counts(state, counts):
+  """Ops adding a micro-step's `increments` to this replica's counts."""
+  return [compat.local_variable(v).assign_add(count, read_value=False)
+          for v, count in zip(state.counts.values(), counts)]
+
+
+def reset_counts(state):
+  """Ops zeroing this replica's counts for the next cycle."""
+  return [compat.local_variable(v).assign(0.0, read_value=False)
+          for v in state.counts.values()]
+
+
+def should_apply(rules, totals):
+  """Whether the cycle applies: None (always), or a boolean scalar.
+
+  Args:
+    rules: the `Rules`.
+    totals: {name: the count summed over replicas}.
+  """
+  decisions = []
+  # Rounded: after a restore the counts are sums of float32 shares.
+  if rules.nonfinite_policy == 'skip_micro_batch':
+    decisions.append(tf.round(totals[GOOD]) > 0)
+  elif rules.nonfinite_policy == 'skip_cycle':
+    decisions.append(tf.equal(tf.round(totals[NONFINITE]), 0))
+  if rules.weighted and rules.aggregation == 'mean':
+    decisions.append(totals[WEIGHT] > 0)
+  if not decisions:
+    return None
+  return decisions[0] if len(decisions) == 1 else tf.logical_and(*decisions)
+
+
+def scale(rules, totals, replicas):
+  """The factor from the accumulated sum to the cycle's gradient.
+
+  As a fraction (numerator, denominator) of float32 scalars or numbers,
+  which `apply_scale` divides in each gradient's own dtype: 4/3 is then
+  exact to float64 precision in a float64 model.
+
+  Args:
+    rules: the `Rules`.
+    totals: {name: the count summed over replicas}.
+    replicas: the number of replicas (a number or a float32 scalar).
+
+  Returns:
+    None (the accumulated sum is the cycle's gradient), or the fraction.
+  """
+  if rules.aggregation == 'sum':
+    return (rules.grad_steps, 1)
+  if rules.weighted:
+    # Each replica's loss is divided by the replicas: its share of the
+    # cycle's weight is the sum over replicas divided by the replicas.
+    return (rules.grad_steps * replicas,
+            tf.maximum(totals[WEIGHT], 1e-30))
+  if rules.nonfinite_policy == 'skip_micro_batch':
+    # The mean over the finite micro-batches of every replica.
+    return (rules.grad_steps * replicas, tf.maximum(totals[GOOD], 1.0))
+  return None
+
+
+def apply_scale(value, fraction):
+  """`value * numerator / denominator`, computed in `value`'s dtype."""
+  if fraction is None or all(
+      isinstance(part, int) and part == 1 for part in fraction):
+    return value
+  numerator, denominator = (tf.cast(part, value.dtype) for part in fraction)
+  return value * (numerator / denominator)
+
+
+def count_skipped(state, totals, applied):
+  """Ops adding the cycle's skipped micro-batches and cycle to the totals."""
+  if state.skipped_cycles is None:
+    return []
+  return [
+      state.skipped_micro_batches.assign_add(
+          tf.cast(tf.round(totals[NONFINITE]), tf.int64), read_value=False),
+      state.skipped_cycles.assign_add(
+          1 - tf.cast(applied, tf.int64), read_value=False)]
+
+
+class ReplicaPart(object):
+  """One replica's part of one train op: plain values for the apply step.
+
+  Attributes:
+    state: the train op's `TrainOpState` (shared by the replicas).
+    var_list: the variables.
+    accumulators: their accumulators, or None without accumulation.
+    gradients, counts: without accumulation, the micro-step's weighed
+      gradients and counts (see `keep_micro_step`).
+  """
+
+  def __init__(self, state, var_list, accumulators):
+    self.state = state
+    self.var_list = list(var_list)
+    self.accumulators = accumulators
+    self.gradients = None
+    self.counts = None
+
+  def keep_micro_step(self, gradients, counts, sparse):
+    """Keeps the micro-step's gradients (densified unless `sparse`)."""
+    self.gradients = [
+        tf.convert_to_tensor(g)
+        if isinstance(g, tf.IndexedSlices) and not sparse else g
+        for g in gradients]
+    self.counts = counts
+
+
+def replica_counts(part):
+  """This replica's counts of the cycle (float32 scalars), copied.
+
+  Copied: under ref variables (v1 behaviour) a read may alias the
+  variable's buffer, which the apply step then resets in place.
+  """
+  if part.accumulators is None:
+    counts = part.counts
+  else:
+    counts = [compat.local_variable(v).read_value()
+              for v in part.state.counts.values()]
+  return tf.unstack(tf.stack(counts)) if counts else []
+
+
+def summed_counts(rules, distribution, part, over_tpu_cores):
+  """({name: count summed over replicas (and TPU cores)}, replicas).
+
+  The cycle's one exchange between replicas besides the wrapped
+  optimizer's own all-reduce: the counts travel as one small vector.
+
+  Args:
+    rules: the `Rules`.
+    distribution: the strategy (in its cross-replica context), or None.
+    part: the `ReplicaPart` (PerReplica under a strategy).
+    over_tpu_cores: also sum over TPU cores (`apply_crs_to_grad`).
+  """
+  replicas = 1 if distribution is None else distribution.num_replicas_in_sync
+  if not rules.counts:
+    return {}, replicas
+  if distribution is None:
+    counts = replica_counts(part)
+  else:
+    counts = distribute.sum_over_replicas(distribution, replica_counts, part)
+  if over_tpu_cores:
+    crs = tf.compat.v1.tpu.cross_replica_sum
+    counts = tf.unstack(crs(tf.stack(counts)))
+    replicas = replicas * crs(tf.constant(1.0))
+  return dict(zip(rules.counts, counts)), replicas
