@@ -12,7 +12,7 @@ share one small interface:
 
 `DenseAccumulator` adds and zeroes in place;
 `ShardedAccumulator` reads through an XLA sharding annotation;
-`SparseAccumulator` scatter-adds rows and hands on those the cycle touched.
+a table's (sparse gradients) is in `tables`.
 With grad_steps=1 there is none: the optimizer applies the micro-step's
 gradients themselves.
 """
@@ -21,10 +21,11 @@ from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
+from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import distribute
 from deferred_grad import sharding
-from deferred_grad import variables
+from deferred_grad import tables
 from deferred_grad import zeros
 
 tf = compat.import_tensorflow()
@@ -64,12 +65,12 @@ def create_slot(opt, variable, dtype):
     raise ValueError(
         'accumulator_dtype=%s needs variables of known shape; %s has shape '
         '%s.' % (dtype.name, variable.name, variable.shape))
-  variables.add_to_state(slot)
+  checkpoints.add_to_state(slot)
   return slot
 
 
-class _Accumulator(object):
-  """What the kinds share: the slot, and this replica's part of it.
+class DenseAccumulator(object):
+  """Accumulates dense gradients in place, and zeroes them in place.
 
   Under a multi-replica strategy the slot is a distributed variable; each
   replica adds into, reads and resets its own component (`local`).
@@ -89,12 +90,8 @@ class _Accumulator(object):
     return compat.local_variable(self.slot)
 
   def mark(self):
-    """Records one micro-step; only the sparse kind keeps a record."""
+    """Records one micro-step; only a table's accumulator keeps a record."""
     return tf.no_op()
-
-
-class DenseAccumulator(_Accumulator):
-  """Accumulates dense gradients in place, and zeroes them in place."""
 
   def _dense(self, gradient):
     if isinstance(gradient, tf.IndexedSlices):
@@ -153,136 +150,6 @@ class ShardedAccumulator(DenseAccumulator):
         current + self._dense(gradient) / self._grad_steps, read_value=False)
 
 
-class SparseAccumulator(_Accumulator):
-  """Accumulates `tf.IndexedSlices` row by row; the cycle costs O(rows touched).
-
-  Each micro-step scatter-adds the rows it looked up (duplicates add up, as
-  in the dense gradient) and records their ids in a queue beside the
-  accumulator, with one marker per micro-step. The apply step takes the
-  recorded ids, removes duplicates, and gathers, hands on and zeroes only
-  those rows: no step reads the whole table, and every touched row is handed
-  on, also one whose sum is exactly zero (a masked padding id), as in the
-  large batch's gradient.
-
-  The queue is neither a variable nor in a checkpoint: the original's
-  checkpoints restore, and no initializer is needed. A session that has not
-  seen a whole cycle (one restored from a checkpoint mid-cycle) finds fewer
-  markers than `grad_steps` and falls back, once, to a full read: the rows
-  whose accumulated gradient is not zero and those it recorded (a row
-  touched only before the restore and summing to exactly zero is then left
-  out).
-
-  Inside an XLA computation (a TPU rewrite, `xla.compile`) only static
-  shapes compile, and the number of rows a cycle touches is not static:
-  there the micro-steps still scatter-add, but the apply step hands on the
-  whole accumulator as a dense gradient, as the original (and
-  `sparse_as_dense=True`) did.
-
-  Args:
-    slot: the accumulator variable.
-    grad_steps: the number of micro-steps per cycle.
-    num_partitions: `xla_num_partitions`, for full reads.
-    in_xla: built inside an XLA computation (no queue; a dense hand-off).
-  """
-
-  def __init__(self, slot, grad_steps, num_partitions=None, in_xla=False):
-    super(SparseAccumulator, self).__init__(slot, grad_steps)
-    self._num_partitions = num_partitions
-    self._rows = None
-    # The record of row ids, and the work on it, stay on the host: queues
-    # have no GPU kernels. Only the gathers and scatters touch the device.
-    self._host = compat.host_device(self.local.device)
-    if not in_xla:
-      local = self.local
-      with tf.device(self._host):
-        self._rows = tf.queue.FIFOQueue(
-            2**31 - 1, [tf.int64], shapes=[[]],
-            name=local.op.name.replace('/', '_') + '_touched_rows')
-
-  def add(self, gradient):
-    """Scatter-adds the rows looked up, and records them.
-
-    The cost does not grow with the table.
-    """
-    dtype = self.slot.dtype.base_dtype
-    added = self.local.scatter_add(
-        tf.IndexedSlices(
-            tf.cast(gradient.values, dtype) / self._grad_steps,
-            gradient.indices))
-    if self._rows is None:
-      return added
-    with tf.device(self._host):
-      recorded = self._rows.enqueue_many(
-          [tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)])
-    return tf.group(added, recorded)
-
-  def mark(self):
-    """Records one micro-step (added or skipped): run it on every one."""
-    if self._rows is None:
-      return tf.no_op()
-    with tf.device(self._host):
-      return self._rows.enqueue(tf.constant(-1, tf.int64))
-
-  def read(self):
-    """The accumulated gradient: IndexedSlices over the touched rows.
-
-    (Inside XLA: the dense accumulator.)
-    """
-    if self._rows is None:
-      return sharding.shard(self.local.read_value(), self._num_partitions)
-    with tf.device(self._host):
-      recorded = self._rows.dequeue_many(self._rows.size())
-      is_row = recorded >= 0
-      rows, _ = tf.unique(tf.boolean_mask(recorded, is_row))
-      complete = tf.greater_equal(
-          tf.reduce_sum(tf.cast(tf.logical_not(is_row), tf.int32)),
-          self._grad_steps)
-
-    def from_record():
-      return tf.gather(self.local, rows), rows
-
-    def from_scan():
-      # Also the rows this session recorded: only a row touched before the
-      # restore alone and summing to exactly zero is left out, once.
-      value = sharding.shard(self.local.read_value(), self._num_partitions)
-      scanned, _ = tf.unique(tf.concat([_nonzero_rows(value), rows], 0))
-      return tf.gather(value, scanned), scanned
-
-    values, rows = compat.cond(complete, from_record, from_scan)
-    return tf.IndexedSlices(values, rows, dense_shape=self._dense_shape())
-
-  def _dense_shape(self):
-    """The accumulator's shape, without reading it whole."""
-    if self.slot.shape.is_fully_defined():
-      return tf.constant(self.slot.shape.as_list(), tf.int64)
-    local = self.local
-    if compat.is_ref_variable(local):
-      return tf.shape(local, out_type=tf.int64)
-    return tf.raw_ops.VariableShape(input=local.handle, out_type=tf.int64)
-
-  def reset(self, after, gradient):
-    """Zeroes the rows `gradient` (what `read` returned) holds, after `after`.
-
-    Returns:
-      The op.
-    """
-    if not isinstance(gradient, tf.IndexedSlices):  # inside XLA
-      return DenseAccumulator.reset(self, after, gradient)
-    dtype = self.slot.dtype.base_dtype
-    with tf.control_dependencies([after]):
-      return self.local.scatter_update(
-          tf.IndexedSlices(tf.zeros_like(gradient.values, dtype),
-                           gradient.indices))
-
-
-def _nonzero_rows(value):
-  """The int64 indices of `value`'s rows that are not all zero."""
-  nonzero = tf.not_equal(value, 0)
-  if value.shape.rank > 1:
-    nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
-  return tf.reshape(tf.where(nonzero), [-1])
-
-
 def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
            num_partitions=None, in_xla=False, local=None):
   """Creates `variable`'s accumulator of the kind its gradient needs.
@@ -295,19 +162,27 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
     sparse: accumulate an IndexedSlices gradient row by row.
     dtype: `accumulator_dtype`, or None.
     num_partitions: `xla_num_partitions`, or None.
-    in_xla: built inside an XLA computation (see SparseAccumulator).
+    in_xla: built inside an XLA computation (see `tables`).
     local: None, or a `placement.WorkerLocal` (variables on parameter
       servers): the accumulator is then the worker's own, not a slot.
 
   Returns:
-    A `DenseAccumulator`, `ShardedAccumulator` or `SparseAccumulator`.
+    A `DenseAccumulator`, `ShardedAccumulator`, `tables.SparseAccumulator`
+    or `tables.RowQueueAccumulator`.
   """
-  if local is not None:
-    return local.accumulator(variable, gradient, grad_steps, sparse,
-                             dtype or variable.dtype.base_dtype)
+  table = sparse and isinstance(gradient, tf.IndexedSlices)
+  if local is not None:  # the worker's own, not a slot (see `placement`)
+    dtype = dtype or variable.dtype.base_dtype
+    if table:
+      return tables.RowQueueAccumulator(variable, grad_steps, dtype,
+                                        local.device)
+    shape = variable.shape
+    return DenseAccumulator(local.variable(
+        variable.op.name + '/' + SLOT_OP_NAME,
+        lambda: zeros.run_time_zeros(shape, dtype), dtype), grad_steps)
   slot = create_slot(opt, variable, dtype)
-  if sparse and isinstance(gradient, tf.IndexedSlices):
-    return SparseAccumulator(slot, grad_steps, num_partitions, in_xla)
+  if table:
+    return tables.SparseAccumulator(slot, grad_steps, num_partitions, in_xla)
   if num_partitions is None:
     return DenseAccumulator(slot, grad_steps)
   return ShardedAccumulator(slot, grad_steps, num_partitions)

@@ -1,4 +1,11 @@
-"""Checkpoints written without the wrapper: `deferred_grad.Saver`.
+"""Checkpoint names, and checkpoints written without the wrapper.
+
+The wrapper's state (accumulators, counters) is recorded per graph here
+(`add_to_state`), and the wrapped optimizer's slots and non-slot variables
+are created where the original created them (`wrapped_vars_scope`,
+`create_wrapped_slots`), so that the original's checkpoints restore.
+
+`deferred_grad.Saver` also restores checkpoints written without the wrapper.
 
 Turning accumulation on for a job whose checkpoints were written without it
 (or with `grad_steps=1`) meets a checkpoint that lacks the wrapper's state:
@@ -13,14 +20,100 @@ from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
+import weakref
+
 from deferred_grad import compat
-from deferred_grad import variables
 
 tf = compat.import_tensorflow()
 
 # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
 from tensorflow.python.training.saving import saveable_object_util
 # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
+
+# graph -> the wrapper's state variables (accumulators and counters), and
+# graph -> {wrapped optimizer's non-slot variable's name: its name without
+# the wrapper}.
+_STATE = weakref.WeakKeyDictionary()
+_RENAMED = weakref.WeakKeyDictionary()
+
+
+def add_to_state(variable):
+  """Records `variable` as part of the wrapper's state in its graph.
+
+  The state (accumulators and counters) is what a checkpoint written
+  without the wrapper lacks; `deferred_grad.Saver` starts it afresh then.
+  """
+  state = _STATE.setdefault(variable.graph, [])
+  if not any(variable is known for known in state):
+    state.append(variable)
+
+
+def state_variables(graph):
+  """The wrapper state variables created in `graph` (see `add_to_state`)."""
+  return list(_STATE.get(graph, []))
+
+
+def add_renamed(variable, name_without_wrapper):
+  """Records that without the wrapper `variable` would be named otherwise."""
+  _RENAMED.setdefault(variable.graph, {})[variable.op.name] = (
+      name_without_wrapper)
+
+
+def renamed_variables(graph):
+  """{variable name: its name without the wrapper} in `graph`."""
+  return dict(_RENAMED.get(graph, {}))
+
+
+def wrapped_vars_scope(in_cond):
+  """Returns where the wrapped optimizer's non-slot variables go.
+
+  The original called the wrapped `apply_gradients` inside a `tf.cond`, and
+  optimizers name their non-slot variables (Adam's `beta1_power`, ...) after
+  the current name scope. A control flow v2 branch starts at the root scope;
+  a v1 branch is under `<current scope>/cond`, uniquified. Without a
+  `tf.cond` (grad_steps=1), the bare optimizer's scope, the caller's. Call
+  it before opening the wrapper's name scope.
+
+  Args:
+    in_cond: whether the wrapped optimizer applies inside the `tf.cond`.
+
+  Returns:
+    (absolute scope for them, the caller's absolute scope), each '' or
+    ending in '/'.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  caller = graph.get_name_scope()
+  caller = caller + '/' if caller else ''
+  if not in_cond:
+    return caller, caller
+  if tf.compat.v1.control_flow_v2_enabled():
+    return '', caller
+  return graph.unique_name('cond', mark_as_used=False) + '/', caller
+
+
+def create_wrapped_slots(opt, var_list, scopes):
+  """Creates the wrapped optimizer's slots and non-slot variables.
+
+  Where their scope differs from the caller's, records the name each new
+  non-slot variable would have without the wrapper (`add_renamed`), for
+  `deferred_grad.Saver`.
+
+  Args:
+    opt: the wrapped optimizer.
+    var_list: the variables it will update.
+    scopes: what `wrapped_vars_scope` returned.
+  """
+  # pylint: disable=protected-access
+  scope, caller = scopes
+  before = set(id(v) for v in opt._non_slot_dict.values())
+  with tf.init_scope(), tf.compat.v1.name_scope(scope):
+    opt._create_slots(var_list)
+  if scope == caller:
+    return
+  for variable in opt._non_slot_dict.values():
+    name = variable.op.name
+    if id(variable) not in before and name.startswith(scope):
+      add_renamed(variable, caller + name[len(scope):])
 
 
 class Saver(tf.compat.v1.train.Saver):
@@ -65,12 +158,12 @@ class Saver(tf.compat.v1.train.Saver):
           tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
     names = saveable_object_util.op_list_to_dict(all_saveables)
     state = {}
-    for variable in variables.state_variables(graph):
+    for variable in state_variables(graph):
       for name in saveable_object_util.op_list_to_dict([variable]):
         if name in names:
           state[name] = variable
     state_names = set(state)
-    renamed = variables.renamed_variables(graph)
+    renamed = renamed_variables(graph)
     model = {name: var for name, var in names.items()
              if name not in state_names}
     model_renamed = {renamed.get(name, name): var

@@ -104,53 +104,18 @@ def is_ref_variable(variable):
   return variable.dtype != variable.dtype.base_dtype
 
 
-def _source(tensor):
-  """The tensor a branch function captured, through nested branches."""
-  while True:
-    outer = {id(inner): outer for outer, inner in getattr(
-        tensor.graph, 'captures', ())}.get(id(tensor))
-    if outer is None:
-      return tensor
-    tensor = outer
+def variable_shape(variable):
+  """A variable's shape as an int64 tensor, without reading its value.
 
-
-def run_cond_as_function(graph, ops_before):
-  """Keeps the control flow v2 `If` ops made since `ops_before` unlowered.
-
-  In a session, TensorFlow lowers `If` to Switch/Merge, which pushes "dead"
-  tensors through every op of the branch not taken, on every run. The
-  wrapper's apply branch holds a few ops per variable, and it is not taken
-  on grad_steps - 1 of grad_steps micro-steps: run as a function, `If`
-  executes only the branch taken (`tools/benchmark --suites=step`). XLA and
-  control flow v1 ignore this.
-
-  An unlowered `If` is placed with all the resources it reads, so this is
-  done only where they are on one device: not under MirroredStrategy, nor
-  with variables spread over parameter servers.
+  Static where known; else read where the variable is, for ref variables
+  (TF1) and resource variables alike.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
-  for op in graph.get_operations()[len(ops_before):]:
-    if op.type not in ('If', 'StatelessIf'):
-      continue
-    devices = {_source(x).op.device for x in op.inputs
-               if x.dtype == tf.resource}
-    if len(devices) <= 1:
-      op._set_attr('_lower_using_switch_merge',  # pylint: disable=protected-access
-                   attr_value_pb2.AttrValue(b=False))
-
-
-def cond(pred, true_fn, false_fn):
-  """`tf.cond` whose control flow v2 `If` op is run as a function.
-
-  See `run_cond_as_function`.
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  graph = tf.compat.v1.get_default_graph()
-  ops_before = graph.get_operations()
-  result = tf.cond(pred, true_fn, false_fn)
-  run_cond_as_function(graph, ops_before)
-  return result
+  if variable.shape.is_fully_defined():
+    return tf.constant(variable.shape.as_list(), tf.int64)
+  if is_ref_variable(variable):
+    return tf.shape(variable, out_type=tf.int64)
+  return tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)
 
 
 def in_xla_context():

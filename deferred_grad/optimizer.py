@@ -19,13 +19,14 @@ from __future__ import print_function
 
 from deferred_grad import accumulators as accumulators_lib
 from deferred_grad import arguments
+from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import cycle_state
 from deferred_grad import distribute
+from deferred_grad import lazy_cond
 from deferred_grad import numerics
 from deferred_grad import placement
 from deferred_grad import steps
-from deferred_grad import variables as variables_lib
 
 tf = compat.import_tensorflow()
 
@@ -206,7 +207,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     accumulates = self._grad_steps > 1  # decided here, once
     # Where the wrapped optimizer's non-slot variables go: found before this
     # method opens its own name scope, so that `name` changes op names only.
-    wrapped_vars_scope = variables_lib.wrapped_vars_scope(accumulates)
+    wrapped_vars_scope = checkpoints.wrapped_vars_scope(accumulates)
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
     with tf.compat.v1.name_scope(name, self._name) as scope:
       # Variables on parameter servers: the state is the worker's own.
@@ -236,7 +237,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       step = global_step if state.counter is None else state.counter
       also = global_step if step is not global_step else None
       if self._use_tpu:
-        variables_lib.create_wrapped_slots(self._opt, var_list,
+        checkpoints.create_wrapped_slots(self._opt, var_list,
                                            wrapped_vars_scope)
         return self._cycle_end(None, [accumulate], part, step, also)
     # The original's GPU path: merge_call outside tf.cond.
@@ -266,7 +267,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       adds = [a.add(g) for a, g in zip(part.accumulators, gradients)]
       return tf.group(*adds, name='accumulate')
 
-    added = add() if finite is None else compat.cond(finite, add, tf.no_op)
+    added = add() if finite is None else lazy_cond.cond(finite, add, tf.no_op)
     with tf.control_dependencies([added]):
       counted = cycle_state.add_counts(part.state, counts)
     # Every micro-step is marked, skipped or not (see SparseAccumulator).
@@ -278,7 +279,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """The GPU path's `merge_call`: `_cycle_end` in cross-replica context."""
     first = lambda value: distribute.first_replica(distribution, value)
     wrapped_vars_scope = tuple(first(p) for p in wrapped_vars_scope)
-    variables_lib.create_wrapped_slots(self._opt, first(part).var_list,
+    checkpoints.create_wrapped_slots(self._opt, first(part).var_list,
                                        wrapped_vars_scope)
     with tf.compat.v1.name_scope(first(scope)):
       return self._cycle_end(
@@ -315,7 +316,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     step_value = state.read_step(step, accumulate, None if (
         distribution is None) else distribute.started_on_cycle_boundary)
     # Both branches advance the step: its read is ordered before its write.
-    done = compat.cond(
+    done = lazy_cond.cond(
         steps.is_cycle_end(step_value, grad_steps), apply_and_advance,
         lambda: steps.advance(step, step_value, grad_steps,
                               step is state.counter))
@@ -334,7 +335,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     apply_now = cycle_state.should_apply(rules, totals)
     if apply_now is None:
       return self._on_each_replica(distribution, part, True, fraction)
-    applied = compat.cond(
+    applied = lazy_cond.cond(
         apply_now,
         lambda: self._on_each_replica(distribution, part, True, fraction),
         lambda: self._on_each_replica(distribution, part, False, None))
@@ -343,8 +344,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                       *cycle_state.count_skipped(state, totals, apply_now))
 
   def _on_each_replica(self, distribution, part, apply, fraction):
-    """`_apply_and_reset` on each replica (the TPU path: this one)."""
-    if distribution is None:
+    if distribution is None:  # the TPU path: this replica
       return self._apply_and_reset(part, apply, fraction)
     return distribution.group(distribution.extended.call_for_each_replica(
         lambda p: self._apply_and_reset(p, apply, fraction), args=(part,)))

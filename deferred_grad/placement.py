@@ -20,19 +20,18 @@ asynchronous training, like the bare optimizer's, with K times fewer pushes
 to the parameter servers. A restart loses each worker's partial cycle (at
 most K - 1 micro-batches per worker), as with `SyncReplicasOptimizer`.
 
-`worker_device(var_list)` detects this placement; `WorkerLocal` creates the
-state there, and the accumulators: a dense one as a worker-local variable,
-and for a table (sparse gradients) a `RowQueueAccumulator`, which holds only
-the rows the cycle looked up instead of a table-sized copy per worker.
+`worker_local(var_list)` detects this placement and returns a `WorkerLocal`,
+which creates the state there as local variables: the counters, and a dense
+accumulator as a worker-local variable. A table's accumulator there is a
+`tables.RowQueueAccumulator` on the worker, which holds only the rows the
+cycle looked up instead of a table-sized copy per worker.
 """
 
 from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
-from deferred_grad import accumulators
 from deferred_grad import compat
-from deferred_grad import zeros
 
 tf = compat.import_tensorflow()
 
@@ -97,71 +96,3 @@ class WorkerLocal(object):
       return tf.compat.v1.Variable(
           initial_value, dtype=dtype, name=name, trainable=False,
           collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-
-  def accumulator(self, variable, gradient, grad_steps, sparse, dtype):
-    """The worker's accumulator for `variable` (see the module docstring)."""
-    if sparse and isinstance(gradient, tf.IndexedSlices):
-      return RowQueueAccumulator(variable, grad_steps, dtype, self.device)
-    shape = variable.shape
-    worker_copy = self.variable(
-        variable.op.name + '/' + accumulators.SLOT_OP_NAME,
-        lambda: zeros.run_time_zeros(shape, dtype), dtype)
-    return accumulators.DenseAccumulator(worker_copy, grad_steps)
-
-
-class RowQueueAccumulator(object):
-  """A table's accumulator on a worker, for tables on parameter servers.
-
-  A worker-local copy of a table as large as the table (on every worker) is
-  what the dense and sparse kinds would need; this one holds only the rows
-  the cycle looked up: each micro-step enqueues its ids and rows (divided by
-  `grad_steps`) in a queue on the worker, and the apply step takes them all,
-  adds up the rows of equal ids and hands on an `IndexedSlices` over every
-  id touched. Memory and time O(rows looked up per cycle); nothing goes to
-  the parameter servers before the apply step. The queue is not saved:
-  a restarted worker starts a new cycle (see `placement`).
-
-  Args:
-    variable: the table (or one partition of it).
-    grad_steps: micro-steps per cycle.
-    dtype: the accumulator's dtype.
-    device: the worker's device.
-  """
-
-  def __init__(self, variable, grad_steps, dtype, device):
-    self._grad_steps = grad_steps
-    self._dtype = dtype
-    self._dense_shape = variable.shape
-    # On the worker's CPU, also under a GPU worker device: queues have no
-    # GPU kernels.
-    with tf.device(compat.host_device(device)):
-      self._queue = tf.queue.FIFOQueue(
-          2**31 - 1, [tf.int64, dtype], shapes=[[], variable.shape[1:]],
-          name=variable.op.name.replace('/', '_') + '_accumulated_rows')
-
-  def mark(self):
-    return tf.no_op()
-
-  def add(self, gradient):
-    """Enqueues the micro-step's rows / grad_steps, with their ids."""
-    if not isinstance(gradient, tf.IndexedSlices):
-      raise ValueError('a table on a parameter server got a dense gradient '
-                       '(%s); expected an IndexedSlices.' % (gradient,))
-    return self._queue.enqueue_many([
-        tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64),
-        tf.cast(gradient.values, self._dtype) / self._grad_steps])
-
-  def read(self):
-    """The cycle's rows, those of equal ids added up, as IndexedSlices."""
-    ids, rows = self._queue.dequeue_many(self._queue.size())
-    unique, positions = tf.unique(ids)
-    summed = tf.math.unsorted_segment_sum(rows, positions, tf.size(unique))
-    return tf.IndexedSlices(summed, unique,
-                            tf.constant(self._dense_shape.as_list(), tf.int64))
-
-  def reset(self, after, gradient):
-    """The read emptied the queue: makes sure it ran, also in a cycle
-    that applies nothing (a `nonfinite_policy` skipping it)."""
-    with tf.control_dependencies([after]):
-      return tf.group(after, gradient.indices)
-

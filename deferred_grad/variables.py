@@ -1,6 +1,4 @@
-"""The wrapper's own variables, and the names of the wrapped optimizer's.
-
-The wrapper's own variables (counters) are one set per train op.
+"""The wrapper's own variables (counters): one set per train op.
 
 Each call of `apply_gradients` builds a train op with its own cycle, so it
 owns its counters: two wrappers in one graph (a GAN's generator and
@@ -18,6 +16,7 @@ from __future__ import print_function
 
 import weakref
 
+from deferred_grad import checkpoints
 from deferred_grad import compat
 
 tf = compat.import_tensorflow()
@@ -27,40 +26,6 @@ tf = compat.import_tensorflow()
 _COUNTED_STEPS = weakref.WeakKeyDictionary()
 # graph -> ([state of the n-th train op], {replica id: train ops it built}).
 _TRAIN_OPS = weakref.WeakKeyDictionary()
-# graph -> the wrapper's state variables (accumulators and counters), and
-# graph -> {wrapped optimizer's non-slot variable's name: its name without
-# the wrapper}.
-_STATE = weakref.WeakKeyDictionary()
-_RENAMED = weakref.WeakKeyDictionary()
-
-
-def add_to_state(variable):
-  """Records `variable` as part of the wrapper's state in its graph.
-
-  The state (accumulators and counters) is what a checkpoint written
-  without the wrapper lacks; `deferred_grad.Saver` starts it afresh then.
-  """
-  state = _STATE.setdefault(variable.graph, [])
-  if not any(variable is known for known in state):
-    state.append(variable)
-
-
-def state_variables(graph):
-  """The wrapper state variables created in `graph` (see `add_to_state`)."""
-  return list(_STATE.get(graph, []))
-
-
-def add_renamed(variable, name_without_wrapper):
-  """Records that without the wrapper `variable` would be named otherwise."""
-  _RENAMED.setdefault(variable.graph, {})[variable.op.name] = (
-      name_without_wrapper)
-
-
-def renamed_variables(graph):
-  """{variable name: its name without the wrapper} in `graph`."""
-  return dict(_RENAMED.get(graph, {}))
-
-
 def train_op_state(replica_context, create):
   """The state of the train op being built, created once for all replicas.
 
@@ -118,7 +83,7 @@ def own_variable(name, dtype, initial_value=0,
     variable = tf.compat.v1.Variable(
         lambda: tf.constant(initial_value, dtype), dtype=dtype,
         name=full_name, trainable=False, aggregation=aggregation)
-  add_to_state(variable)
+  checkpoints.add_to_state(variable)
   return variable
 
 
@@ -152,55 +117,3 @@ def count_global_step(global_step, accumulates):
           'global_step=None to the others: each of those counts its cycle in '
           'a variable of its own (update_count_N).' % (global_step.name,))
   counted.append((key, accumulates))
-
-
-def wrapped_vars_scope(in_cond):
-  """Returns where the wrapped optimizer's non-slot variables go.
-
-  The original called the wrapped `apply_gradients` inside a `tf.cond`, and
-  optimizers name their non-slot variables (Adam's `beta1_power`, ...) after
-  the current name scope. A control flow v2 branch starts at the root scope;
-  a v1 branch is under `<current scope>/cond`, uniquified. Without a
-  `tf.cond` (grad_steps=1), the bare optimizer's scope, the caller's. Call
-  it before opening the wrapper's name scope.
-
-  Args:
-    in_cond: whether the wrapped optimizer applies inside the `tf.cond`.
-
-  Returns:
-    (absolute scope for them, the caller's absolute scope), each '' or
-    ending in '/'.
-  """
-  graph = tf.compat.v1.get_default_graph()
-  caller = graph.get_name_scope()
-  caller = caller + '/' if caller else ''
-  if not in_cond:
-    return caller, caller
-  if tf.compat.v1.control_flow_v2_enabled():
-    return '', caller
-  return graph.unique_name('cond', mark_as_used=False) + '/', caller
-
-
-def create_wrapped_slots(opt, var_list, scopes):
-  """Creates the wrapped optimizer's slots and non-slot variables.
-
-  Where their scope differs from the caller's, records the name each new
-  non-slot variable would have without the wrapper (`add_renamed`), for
-  `deferred_grad.Saver`.
-
-  Args:
-    opt: the wrapped optimizer.
-    var_list: the variables it will update.
-    scopes: what `wrapped_vars_scope` returned.
-  """
-  # pylint: disable=protected-access
-  scope, caller = scopes
-  before = set(id(v) for v in opt._non_slot_dict.values())
-  with tf.init_scope(), tf.compat.v1.name_scope(scope):
-    opt._create_slots(var_list)
-  if scope == caller:
-    return
-  for variable in opt._non_slot_dict.values():
-    name = variable.op.name
-    if id(variable) not in before and name.startswith(scope):
-      add_renamed(variable, caller + name[len(scope):])

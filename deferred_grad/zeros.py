@@ -68,11 +68,7 @@ def zero_in_place(variable):
   zero = tf.zeros([], dtype)
   rows = tf.compat.dimension_value(variable.shape[0])
   if rows is None:  # known at run time only: read where the variable is
-    if compat.is_ref_variable(variable):
-      rows = tf.shape(variable, out_type=tf.int64)[0]
-    else:
-      rows = tf.raw_ops.VariableShape(input=variable.handle,
-                                      out_type=tf.int64)[0]
+    rows = compat.variable_shape(variable)[0]
   with tf.device(compat.host_device(variable.device)):
     # On the host, as shapes are, and at run time: a folded constant of row
     # ids would stay for the session's life (8 bytes a row).

@@ -1,0 +1,220 @@
+"""Accumulators for tables: sparse gradients (`tf.IndexedSlices`) by row.
+
+A table's gradient touches the rows a micro-batch looked up, and so does
+its accumulator: no micro-step or apply step reads the whole table. Both
+kinds keep a queue of the rows looked up, on the host (queues have CPU
+kernels only):
+
+* `SparseAccumulator` (one process, `MirroredStrategy`): a table-sized slot
+  `<table>/GradientAccumulator`, as the original's, so that checkpoints hold
+  the partial sums; the queue records which rows were touched.
+* `RowQueueAccumulator` (parameter-server workers): the queue holds the rows
+  themselves, on the worker, and the apply step adds up those of equal ids.
+
+Both have the interface of `accumulators`: `add`, `mark`, `read`, `reset`.
+"""
+
+from __future__ import absolute_import
+from __future__ import division
+from __future__ import print_function
+
+from deferred_grad import compat
+from deferred_grad import lazy_cond
+from deferred_grad import sharding
+from deferred_grad import zeros
+
+tf = compat.import_tensorflow()
+
+
+def _host_queue(variable, suffix, dtypes, shapes, host):
+  """An unbounded FIFO queue on `host`, named after `variable`."""
+  with tf.device(host):
+    return tf.queue.FIFOQueue(
+        2**31 - 1, dtypes, shapes=shapes,
+        name=variable.op.name.replace('/', '_') + suffix)
+
+
+def _ids(gradient):
+  """An IndexedSlices' row ids, flat, as int64."""
+  return tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)
+
+
+class SparseAccumulator(object):
+  """Accumulates `tf.IndexedSlices` row by row; the cycle costs O(rows touched).
+
+  Each micro-step scatter-adds the rows it looked up (duplicates add up, as
+  in the dense gradient) and records their ids in a queue beside the
+  accumulator, with one marker per micro-step. The apply step takes the
+  recorded ids, removes duplicates, and gathers, hands on and zeroes only
+  those rows: no step reads the whole table, and every touched row is handed
+  on, also one whose sum is exactly zero (a masked padding id), as in the
+  large batch's gradient.
+
+  The queue is neither a variable nor in a checkpoint: the original's
+  checkpoints restore, and no initializer is needed. A session that has not
+  seen a whole cycle (one restored from a checkpoint mid-cycle) finds fewer
+  markers than `grad_steps` and falls back, once, to a full read: the rows
+  whose accumulated gradient is not zero and those it recorded (a row
+  touched only before the restore and summing to exactly zero is then left
+  out).
+
+  Inside an XLA computation (a TPU rewrite, `xla.compile`) only static
+  shapes compile, and the number of rows a cycle touches is not static:
+  there the micro-steps still scatter-add, but the apply step hands on the
+  whole accumulator as a dense gradient, as the original (and
+  `sparse_as_dense=True`) did.
+
+  Args:
+    slot: the accumulator variable.
+    grad_steps: the number of micro-steps per cycle.
+    num_partitions: `xla_num_partitions`, for full reads.
+    in_xla: built inside an XLA computation (no queue; a dense hand-off).
+  """
+
+  def __init__(self, slot, grad_steps, num_partitions=None, in_xla=False):
+    self.slot = slot
+    self._grad_steps = grad_steps
+    self._num_partitions = num_partitions
+    self._rows = None
+    # The record of row ids, and the work on it, stay on the host: queues
+    # have no GPU kernels. Only the gathers and scatters touch the device.
+    self._host = compat.host_device(self.local.device)
+    if not in_xla:
+      self._rows = _host_queue(self.local, '_touched_rows', [tf.int64], [[]],
+                               self._host)
+
+  @property
+  def local(self):
+    """This replica's component of the slot (the slot itself without one)."""
+    return compat.local_variable(self.slot)
+
+  def add(self, gradient):
+    """Scatter-adds the rows looked up, and records them.
+
+    The cost does not grow with the table.
+    """
+    dtype = self.slot.dtype.base_dtype
+    added = self.local.scatter_add(
+        tf.IndexedSlices(
+            tf.cast(gradient.values, dtype) / self._grad_steps,
+            gradient.indices))
+    if self._rows is None:
+      return added
+    with tf.device(self._host):
+      recorded = self._rows.enqueue_many([_ids(gradient)])
+    return tf.group(added, recorded)
+
+  def mark(self):
+    """Records one micro-step (added or skipped): run it on every one."""
+    if self._rows is None:
+      return tf.no_op()
+    with tf.device(self._host):
+      return self._rows.enqueue(tf.constant(-1, tf.int64))
+
+  def read(self):
+    """The accumulated gradient: IndexedSlices over the touched rows.
+
+    (Inside XLA: the dense accumulator.)
+    """
+    if self._rows is None:
+      return sharding.shard(self.local.read_value(), self._num_partitions)
+    with tf.device(self._host):
+      recorded = self._rows.dequeue_many(self._rows.size())
+      is_row = recorded >= 0
+      rows, _ = tf.unique(tf.boolean_mask(recorded, is_row))
+      complete = tf.greater_equal(
+          tf.reduce_sum(tf.cast(tf.logical_not(is_row), tf.int32)),
+          self._grad_steps)
+
+    def from_record():
+      return tf.gather(self.local, rows), rows
+
+    def from_scan():
+      # Also the rows this session recorded: only a row touched before the
+      # restore alone and summing to exactly zero is left out, once.
+      value = sharding.shard(self.local.read_value(), self._num_partitions)
+      scanned, _ = tf.unique(tf.concat([_nonzero_rows(value), rows], 0))
+      return tf.gather(value, scanned), scanned
+
+    values, rows = lazy_cond.cond(complete, from_record, from_scan)
+    return tf.IndexedSlices(values, rows,
+                            dense_shape=compat.variable_shape(self.local))
+
+  def reset(self, after, gradient):
+    """Zeroes the rows `gradient` (what `read` returned) holds, after `after`.
+
+    Returns:
+      The op.
+    """
+    with tf.control_dependencies([after]):
+      if not isinstance(gradient, tf.IndexedSlices):  # inside XLA
+        return zeros.zero_in_place(self.local)
+      dtype = self.slot.dtype.base_dtype
+      return self.local.scatter_update(
+          tf.IndexedSlices(tf.zeros_like(gradient.values, dtype),
+                           gradient.indices))
+
+
+def _nonzero_rows(value):
+  """The int64 indices of `value`'s rows that are not all zero."""
+  nonzero = tf.not_equal(value, 0)
+  if value.shape.rank > 1:
+    nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
+  return tf.reshape(tf.where(nonzero), [-1])
+
+
+class RowQueueAccumulator(object):
+  """A table's accumulator on a worker, for tables on parameter servers.
+
+  A worker-local copy of a table as large as the table (on every worker) is
+  what the dense kind and `SparseAccumulator` would need; this one holds only the rows
+  the cycle looked up: each micro-step enqueues its ids and rows (divided by
+  `grad_steps`) in a queue on the worker, and the apply step takes them all,
+  adds up the rows of equal ids and hands on an `IndexedSlices` over every
+  id touched. Memory and time O(rows looked up per cycle); nothing goes to
+  the parameter servers before the apply step. The queue is not saved:
+  a restarted worker starts a new cycle (see `placement`).
+
+  Args:
+    variable: the table (or one partition of it).
+    grad_steps: micro-steps per cycle.
+    dtype: the accumulator's dtype.
+    device: the worker's device.
+  """
+
+  def __init__(self, variable, grad_steps, dtype, device):
+    self._grad_steps = grad_steps
+    self._dtype = dtype
+    self._dense_shape = variable.shape
+    # On the worker's CPU, also under a GPU worker device: queues have no
+    # GPU kernels.
+    self._queue = _host_queue(variable, '_accumulated_rows',
+                              [tf.int64, dtype], [[], variable.shape[1:]],
+                              compat.host_device(device))
+
+  def mark(self):
+    return tf.no_op()
+
+  def add(self, gradient):
+    """Enqueues the micro-step's rows / grad_steps, with their ids."""
+    if not isinstance(gradient, tf.IndexedSlices):
+      raise ValueError('a table on a parameter server got a dense gradient '
+                       '(%s); expected an IndexedSlices.' % (gradient,))
+    return self._queue.enqueue_many([
+        _ids(gradient),
+        tf.cast(gradient.values, self._dtype) / self._grad_steps])
+
+  def read(self):
+    """The cycle's rows, those of equal ids added up, as IndexedSlices."""
+    ids, rows = self._queue.dequeue_many(self._queue.size())
+    unique, positions = tf.unique(ids)
+    summed = tf.math.unsorted_segment_sum(rows, positions, tf.size(unique))
+    return tf.IndexedSlices(summed, unique,
+                            tf.constant(self._dense_shape.as_list(), tf.int64))
+
+  def reset(self, after, gradient):
+    """The read emptied the queue: makes sure it ran, also in a cycle
+    that applies nothing (a `nonfinite_policy` skipping it)."""
+    with tf.control_dependencies([after]):
+      return tf.group(after, gradient.indices)
+
