@@ -118,7 +118,7 @@ class DenseAccumulator(object):
     """The cycle's accumulated gradient (a Tensor)."""
     return self.local.read_value()
 
-  def reset(self, after, gradient):
+  def reset(self, after, gradient, shared_zeros=None):
     """Zeroes the accumulator in place once `after` has run; returns the op.
 
     See `zeros.zero_in_place`. `reset_all` runs the resets one after
@@ -126,7 +126,7 @@ class DenseAccumulator(object):
     """
     del gradient
     with tf.control_dependencies([after]):
-      return zeros.zero_in_place(self.local)
+      return zeros.zero_in_place(self.local, shared_zeros)
 
 
 class ShardedAccumulator(DenseAccumulator):
@@ -213,9 +213,10 @@ def reset_all(accumulators, gradients, after):
   """
   previous = after
   resets = []
+  shared_zeros = {}  # small variables' zeros, one per shape (see `zeros`)
   for accumulator, gradient in zip(accumulators, gradients):
     # One at a time: a reset's transients (zeros inside XLA, a table's
     # zero rows) are then one variable's.
-    previous = accumulator.reset(previous, gradient)
+    previous = accumulator.reset(previous, gradient, shared_zeros)
     resets.append(previous)
   return resets

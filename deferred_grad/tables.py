@@ -140,7 +140,7 @@ class SparseAccumulator(object):
     return tf.IndexedSlices(values, rows,
                             dense_shape=compat.variable_shape(self.local))
 
-  def reset(self, after, gradient):
+  def reset(self, after, gradient, shared_zeros=None):
     """Zeroes the rows `gradient` (what `read` returned) holds, after `after`.
 
     Returns:
@@ -148,7 +148,7 @@ class SparseAccumulator(object):
     """
     with tf.control_dependencies([after]):
       if not isinstance(gradient, tf.IndexedSlices):  # inside XLA
-        return zeros.zero_in_place(self.local)
+        return zeros.zero_in_place(self.local, shared_zeros)
       dtype = self.slot.dtype.base_dtype
       return self.local.scatter_update(
           tf.IndexedSlices(tf.zeros_like(gradient.values, dtype),
@@ -212,9 +212,10 @@ class RowQueueAccumulator(object):
     return tf.IndexedSlices(summed, unique,
                             tf.constant(self._dense_shape.as_list(), tf.int64))
 
-  def reset(self, after, gradient):
+  def reset(self, after, gradient, shared_zeros=None):
     """The read emptied the queue: makes sure it ran, also in a cycle
     that applies nothing (a `nonfinite_policy` skipping it)."""
+    del shared_zeros
     with tf.control_dependencies([after]):
       return tf.group(after, gradient.indices)
 

@@ -42,21 +42,33 @@ def run_time_zeros(shape, dtype=tf.float32, partition_info=None):
   return tf.fill(shape, zero)
 
 
-def zero_in_place(variable):
+# Up to this size a variable is zeroed by assigning it a zeros tensor shared
+# by every variable of its shape: one op per variable (the apply step's cost
+# on many small variables is its op count), and the one shared transient is
+# small. Larger ones are zeroed by a scatter, which needs no such buffer.
+SHARED_ZEROS_MAX_BYTES = 1 << 20
+
+
+def zero_in_place(variable, shared_zeros=None):
   """Sets every element of `variable` to zero in its own buffer.
 
-  A scatter of one scalar zero over all of its rows: no buffer as large as
-  the variable. (With `assign` of zeros the wrapper's peak RSS over a bare
-  micro-batch step was 2.47x the parameter bytes on the benchmark's MLP,
-  with this 1.14x-1.23x, 1x being the accumulators.) A scatter switches
-  a resource variable to copy-on-read mode, in which every later dense read
-  copies it (the apply step's read would then be the same large buffer);
-  `DisableCopyOnRead` switches it back once the scatter is done. Inside XLA,
-  which updates in place by itself and has no such modes, and for a variable
-  without rows (a scalar, or a rank unknown until run time), a plain assign.
+  A small variable (at most `SHARED_ZEROS_MAX_BYTES`) is assigned zeros
+  from `shared_zeros`, one tensor per shape, dtype and device made once per
+  apply step: assign kernels copy a value that has other users into the
+  variable's own buffer. A larger one gets a scatter of one scalar zero
+  over all of its rows: no buffer as large as the variable. (With `assign`
+  of its own zeros the wrapper's peak RSS over a bare micro-batch step was
+  2.47x the parameter bytes on the benchmark's MLP, with this 1.14x-1.23x,
+  1x being the accumulators.) A scatter switches a resource variable to
+  copy-on-read mode, in which every later dense read copies it (the apply
+  step's read would then be the same large buffer); `DisableCopyOnRead`
+  switches it back once the scatter is done. Inside XLA, which updates in
+  place by itself and has no such modes, and for a variable without rows (a
+  scalar, or a rank unknown until run time), a plain assign.
 
   Args:
     variable: a variable (ref or resource), or a replica's component of one.
+    shared_zeros: None, or a dict that the resets of one apply step share.
 
   Returns:
     The op.
@@ -65,8 +77,16 @@ def zero_in_place(variable):
   if not variable.shape.rank or compat.in_xla_context():
     return variable.assign(run_time_zeros(tf.shape(variable), dtype),
                            read_value=False)
+  shape = variable.shape
+  if (shared_zeros is not None and shape.is_fully_defined() and
+      shape.num_elements() * dtype.size <= SHARED_ZEROS_MAX_BYTES):
+    key = (tuple(shape.as_list()), dtype, variable.device)
+    if key not in shared_zeros:
+      with tf.control_dependencies(None):  # made once, not after one reset
+        shared_zeros[key] = run_time_zeros(shape.as_list(), dtype)
+    return variable.assign(shared_zeros[key], read_value=False)
   zero = tf.zeros([], dtype)
-  rows = tf.compat.dimension_value(variable.shape[0])
+  rows = tf.compat.dimension_value(shape[0])
   if rows is None:  # known at run time only: read where the variable is
     rows = compat.variable_shape(variable)[0]
   with tf.device(compat.host_device(variable.device)):

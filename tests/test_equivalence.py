@@ -174,20 +174,23 @@ def _buffer_of(session, tensor):
   raise AssertionError('%s did not run' % tensor.op.name)
 
 
-def test_accumulators_are_zeroed_in_their_own_buffer(use_tpu):
-  """The apply step zeroes each accumulator where it is.
+def test_large_accumulators_are_zeroed_in_their_own_buffer(use_tpu):
+  """The apply step zeroes a large accumulator where it is.
 
-  Assigning zeros made a second buffer as large as the accumulator, whose
-  pages the CPU allocator then kept (+1.5x the parameter bytes of peak
-  RSS, tools/benchmark --suites=memory); a scatter left the variable in
-  copy-on-read mode, where every read copies it. Either shows as a read
-  whose buffer moves from cycle to cycle. (Resource variables: a ref
-  variable's assign copies into its buffer, so only memory shows it.)
+  Assigning it its own zeros makes a second buffer as large as the
+  accumulator, whose pages the CPU allocator then keeps (+1.5x the
+  parameter bytes of peak RSS, tools/benchmark --suites=memory); a scatter
+  that left the variable in copy-on-read mode makes every read copy it.
+  Either shows as a read whose buffer moves from cycle to cycle. (Resource
+  variables: a ref variable's assign copies into its buffer, so only memory
+  shows it.) Accumulators up to 1 MiB are zeroed from zeros shared by their
+  shape instead (see the op-count test below).
   """
+  rows = 640  # 640 x 512 float32: 1.25 MiB
   with tf.Graph().as_default():
-    w = tf.compat.v1.get_variable('w', initializer=tf.ones([64, 64]),
+    w = tf.compat.v1.get_variable('w', initializer=tf.ones([rows, 512]),
                                   use_resource=True)
-    x = tf.compat.v1.placeholder(tf.float32, [64])
+    x = tf.compat.v1.placeholder(tf.float32, [512])
     optimizer = deferred_grad.GradientAggregationOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.01), GRAD_STEPS,
         use_tpu=use_tpu)
@@ -198,8 +201,48 @@ def test_accumulators_are_zeroed_in_their_own_buffer(use_tpu):
       session.run(tf.compat.v1.global_variables_initializer())
       buffers = []
       for _ in range(3 * GRAD_STEPS):
-        session.run(train_op, {x: np.ones(64)})
+        session.run(train_op, {x: np.ones(512)})
         buffers.append(_buffer_of(session, read))
       assert not np.any(session.run(accumulator))
   assert len(set(buffers)) == 1, buffers
   assert buffers[0][1] == 0, buffers  # the read copied nothing
+
+
+def _executed_nodes(session, op, feed):
+  metadata = tf.compat.v1.RunMetadata()
+  session.run(op, feed, options=tf.compat.v1.RunOptions(
+      trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=metadata)
+  return sum(len(device.node_stats) for device in metadata.step_stats.dev_stats)
+
+
+@pytest.mark.parametrize('optimizer', ['GradientDescent', 'Momentum'])
+def test_apply_step_costs_few_ops_per_small_variable(optimizer, use_tpu):
+  """On many small variables an apply step's cost is its op count.
+
+  Over a micro-step that only accumulates, the apply step may run, per
+  variable: the accumulator's read, the wrapped optimizer's update, one
+  zeroing op and the branch's two arguments (accumulator and variable),
+  plus a few ops per step.
+  """
+  variables = 40
+  with tf.Graph().as_default():
+    ws = [tf.compat.v1.get_variable('w%d' % i, initializer=tf.ones([8, 8]),
+                                    use_resource=True)
+          for i in range(variables)]
+    x = tf.compat.v1.placeholder(tf.float32, [8])
+    loss = tf.add_n([tf.reduce_sum(tf.linalg.matvec(w, x)**2) for w in ws])
+    wrapper = deferred_grad.GradientAggregationOptimizer(
+        models.OPTIMIZERS[optimizer](None), GRAD_STEPS, use_tpu=use_tpu)
+    train_op = wrapper.minimize(loss)
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      feed = {x: np.ones(8)}
+      counts = [_executed_nodes(session, train_op, feed)
+                for _ in range(2 * GRAD_STEPS)]
+  micro_step, apply_step = counts[0], counts[GRAD_STEPS - 1]
+  assert counts[GRAD_STEPS:] == counts[:GRAD_STEPS], counts
+  wrapped = 1 if optimizer == 'GradientDescent' else 2  # Momentum: + slot
+  limit = variables * (4 + wrapped) + 12
+  assert apply_step - micro_step <= limit, (
+      'the apply step runs %d ops more than a micro-step on %d variables; '
+      'at most %d expected' % (apply_step - micro_step, variables, limit))
