@@ -21,6 +21,10 @@ from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
+import itertools
+import weakref
+
+from deferred_grad import arguments
 from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import distribute
@@ -34,7 +38,29 @@ SLOT_NAME = 'grad_accum'
 SLOT_OP_NAME = 'GradientAccumulator'
 
 
-def create_slot(opt, variable, dtype):
+# graph -> {id(slot): the train op (its state) that accumulates into it}.
+_OWNERS = weakref.WeakKeyDictionary()
+
+
+def _slot_name(opt, variable, owner):
+  """(slot name, op name) of `owner`'s accumulator of `variable`.
+
+  The first train op to accumulate `variable` through `opt` gets the
+  original's names; another train op of the same wrapped optimizer on the
+  same variable (a shared trunk under two losses) gets its own slot,
+  `grad_accum_1` saved as `<variable>/GradientAccumulator_1`, and so on:
+  adding both train ops' micro-batches into one slot would hand each apply
+  the other's micro-batches too. The replicas of one train op share it.
+  """
+  owners = _OWNERS.setdefault(tf.compat.v1.get_default_graph(), {})
+  for n in itertools.count():
+    suffix = '_%d' % n if n else ''
+    slot = opt.get_slot(variable, SLOT_NAME + suffix)
+    if slot is None or owners.get(id(slot)) is owner:
+      return SLOT_NAME + suffix, SLOT_OP_NAME + suffix
+
+
+def create_slot(opt, variable, dtype, owner=None):
   """Creates (or finds) `variable`'s accumulator slot, owned by `opt`.
 
   The slot belongs to the wrapped optimizer, as in the original, so that it
@@ -44,6 +70,7 @@ def create_slot(opt, variable, dtype):
     opt: the wrapped `tf.compat.v1.train.Optimizer`.
     variable: the variable whose gradient it accumulates.
     dtype: the accumulator's dtype, or None for the variable's.
+    owner: the train op's state: each train op its own slot (`_slot_name`).
 
   Returns:
     The slot variable.
@@ -54,18 +81,20 @@ def create_slot(opt, variable, dtype):
   """
   # pylint: disable=protected-access
   dtype = dtype or variable.dtype.base_dtype
+  slot_name, op_name = _slot_name(opt, variable, owner)
   if variable.shape.is_fully_defined():
     slot = opt._get_or_make_slot_with_initializer(
-        variable, zeros.run_time_zeros, variable.shape, dtype, SLOT_NAME,
-        SLOT_OP_NAME)
+        variable, zeros.run_time_zeros, variable.shape, dtype, slot_name,
+        op_name)
   elif dtype == variable.dtype.base_dtype:
     # Only a variable's value knows its shape: TensorFlow's zeros slot.
-    slot = opt._zeros_slot(variable, SLOT_NAME, SLOT_OP_NAME)
+    slot = opt._zeros_slot(variable, slot_name, op_name)
   else:
     raise ValueError(
         'accumulator_dtype=%s needs variables of known shape; %s has shape '
         '%s.' % (dtype.name, variable.name, variable.shape))
   checkpoints.add_to_state(slot)
+  _OWNERS[tf.compat.v1.get_default_graph()][id(slot)] = owner
   return slot
 
 
@@ -151,7 +180,7 @@ class ShardedAccumulator(DenseAccumulator):
 
 
 def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
-           num_partitions=None, in_xla=False, local=None):
+           num_partitions=None, in_xla=False, local=None, owner=None):
   """Creates `variable`'s accumulator of the kind its gradient needs.
 
   Args:
@@ -165,11 +194,13 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
     in_xla: built inside an XLA computation (see `tables`).
     local: None, or a `placement.WorkerLocal` (variables on parameter
       servers): the accumulator is then the worker's own, not a slot.
+    owner: the train op's state (see `create_slot`).
 
   Returns:
     A `DenseAccumulator`, `ShardedAccumulator`, `tables.SparseAccumulator`
     or `tables.RowQueueAccumulator`.
   """
+  arguments.check_accumulator_width(dtype, variable)
   table = sparse and isinstance(gradient, tf.IndexedSlices)
   if local is not None:  # the worker's own, not a slot (see `placement`)
     dtype = dtype or variable.dtype.base_dtype
@@ -180,7 +211,7 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
     return DenseAccumulator(local.variable(
         variable.op.name + '/' + SLOT_OP_NAME,
         lambda: zeros.run_time_zeros(shape, dtype), dtype), grad_steps)
-  slot = create_slot(opt, variable, dtype)
+  slot = create_slot(opt, variable, dtype, owner)
   if table:
     return tables.SparseAccumulator(slot, grad_steps, num_partitions, in_xla)
   if num_partitions is None:
@@ -189,7 +220,7 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
 
 
 def create_all(opt, grads_and_vars, grad_steps, sparse, dtype=None,
-               num_partitions=None, in_xla=False, local=None):
+               num_partitions=None, in_xla=False, local=None, owner=None):
   """`create` for each (gradient, variable) pair; a list.
 
   Per replica and saved as their sum under a multi-replica strategy (see
@@ -197,7 +228,7 @@ def create_all(opt, grads_and_vars, grad_steps, sparse, dtype=None,
   """
   with distribute.summed_on_save():
     return [create(opt, v, g, grad_steps, sparse, dtype, num_partitions,
-                   in_xla, local) for g, v in grads_and_vars]
+                   in_xla, local, owner) for g, v in grads_and_vars]
 
 
 def reset_all(accumulators, gradients, after):

@@ -6,6 +6,7 @@ from __future__ import print_function
 
 import numbers
 
+import numpy as np
 import six
 
 from deferred_grad import compat
@@ -96,6 +97,27 @@ def check_accumulator_dtype(dtype):
   return dtype
 
 
+def check_accumulator_width(dtype, variable):
+  """Refuses an `accumulator_dtype` narrower than `variable`'s dtype.
+
+  Args:
+    dtype: the `accumulator_dtype` (a float `tf.DType`), or None.
+    variable: a variable that gets an accumulator.
+
+  Raises:
+    ValueError: `dtype` is neither the variable's dtype nor wider.
+  """
+  own = variable.dtype.base_dtype
+  if dtype is None or dtype == own or dtype.size > own.size:
+    return
+  raise ValueError(
+      'accumulator_dtype=%s cannot hold the gradients of %s, whose dtype is '
+      '%s: the sum would be kept in less precision than the variable. Pass '
+      'None (the variable\'s dtype) or a wider float dtype, e.g. '
+      'tf.float32 for float16 or bfloat16 variables.' %
+      (dtype.name, variable.name, own.name))
+
+
 def check_clip_norm(clip_norm):
   """Returns None or a positive number, or raises naming the argument."""
   if clip_norm is None:
@@ -178,23 +200,67 @@ def check_micro_batch_weight(micro_batch_weight):
   return micro_batch_weight
 
 
+_WEIGHT_EXPECTED = ('micro_batch_weight must be a finite number >= 0 (e.g. '
+                    'the token count of the micro-batch)')
+
+
 def weight_tensor(micro_batch_weight):
   """This micro-step's weight as a float32 scalar, or None without weights.
 
-  A callable is called here: in `apply_gradients`, on each replica.
+  A callable is called here: in `apply_gradients`, on each replica. A value
+  known at graph build is checked here; others at run time, by
+  `check_weight_value`.
 
   Raises:
-    ValueError: the weight is not a scalar.
+    TypeError: the weight is not of a real number dtype (int or float).
+    ValueError: the weight is not a scalar, or a constant that is negative,
+      NaN or inf.
   """
   if micro_batch_weight is None:
     return None
   weight = (micro_batch_weight() if callable(micro_batch_weight) else
             micro_batch_weight)
-  weight = tf.cast(tf.convert_to_tensor(weight), tf.float32)
+  weight = tf.convert_to_tensor(weight)
+  if not (weight.dtype.is_floating or weight.dtype.is_integer):
+    raise TypeError('%s; got a tensor of dtype %s: %r.' %
+                    (_WEIGHT_EXPECTED, weight.dtype.name, weight))
   if weight.shape.rank not in (None, 0):
     raise ValueError('micro_batch_weight must be a scalar, got shape %s.' %
                      (weight.shape,))
-  return weight
+  value = tf.get_static_value(weight)
+  if value is not None and not (np.isfinite(value) and value >= 0):
+    raise ValueError('%s; got %s.' % (_WEIGHT_EXPECTED, value.item()))
+  return tf.cast(weight, tf.float32)
+
+
+def check_weight_value(weight, nonfinite_policy):
+  """[An op failing the micro-step whose weight is negative], or [].
+
+  Not finite too, without a `nonfinite_policy` (which skips such a
+  micro-batch as non-finite).
+
+  A negative token count, a NaN or an inf weight would otherwise make the
+  cycle apply nothing or NaN without a word. Outside XLA only: an XLA
+  computation (a TPU) compiles an Assert into nothing.
+
+  Args:
+    weight: the micro-step's weight, a float32 scalar, or None.
+    nonfinite_policy: the wrapper's keyword.
+
+  Returns:
+    A list of at most one op (none without a weight, or inside XLA).
+  """
+  if weight is None or compat.in_xla_context():
+    return []
+  valid = weight >= 0
+  if nonfinite_policy:
+    valid = tf.logical_or(valid, tf.logical_not(tf.math.is_finite(weight)))
+  else:
+    valid = tf.logical_and(valid, tf.math.is_finite(weight))
+  return [tf.debugging.Assert(
+      valid, ['GradientAggregationOptimizer: %s%s; at this micro-step it is' % (
+          _WEIGHT_EXPECTED, ' (a NaN or inf one is skipped by the '
+          'nonfinite_policy)' if nonfinite_policy else ''), weight])]
 
 
 def check_apply_gradients(grads_and_vars, global_step, name,

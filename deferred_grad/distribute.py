@@ -69,6 +69,7 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
   Raises:
     RuntimeError: the GPU path in a cross-replica context; or the
       multi-worker `ParameterServerStrategy` of `tf.compat.v1.distribute`.
+    ValueError: the TPU path under a strategy of several replicas.
   """
   strategy = tf.distribute.get_strategy()
   if ('ParameterServerStrategy' in type(strategy).__name__ and
@@ -84,6 +85,16 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
         'ps tasks in TF_CONFIG and no train_distribute does): each worker '
         'then accumulates its own micro-batches (README, "Parameter '
         'servers").' % type(strategy).__name__)
+  if use_tpu and strategy.num_replicas_in_sync > 1:
+    # The TPU path applies inside its tf.cond, where the wrapped optimizer's
+    # merge_call (the strategy's all-reduce) cannot run.
+    raise ValueError(
+        'use_tpu=True under %s with %d replicas: the TPU path applies inside '
+        'a tf.cond, where the strategy cannot all-reduce the gradients. '
+        'Under a multi-replica tf.distribute strategy use the GPU path, '
+        'use_tpu=False (on TPUs, TPUEstimator(use_tpu=True) with '
+        'GradientAggregationOptimizer(use_tpu=True) and no strategy).' %
+        (type(strategy).__name__, strategy.num_replicas_in_sync))
   if not use_tpu and replica_context is None:
     raise RuntimeError(
         'GradientAggregationOptimizer.%s (and minimize) must be called in a '

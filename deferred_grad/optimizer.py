@@ -46,11 +46,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   that training matches one batch `grad_steps` times larger. Caveats:
 
   * Batch statistics (e.g. batch norm) stay based on the micro-batch.
-  * `global_step` is incremented on every micro-step, by the wrapper, at any
-    `grad_steps`. Learning-rate schedules therefore see micro-steps; feed
-    them `applied_updates(global_step, grad_steps)` to see updates instead.
-  * With `grad_steps=1` nothing is accumulated (no accumulator variables),
-    and every other keyword still applies.
+  * `global_step` counts micro-steps, at any `grad_steps`: feed learning-rate
+    schedules `applied_updates(global_step, grad_steps)` to see updates.
+  * With `grad_steps=1` nothing is accumulated; every other keyword applies.
 
   Two code paths build the cycle logic, as the original's: the GPU path
   (`use_tpu=False`) decides after a `merge_call`, and each replica's
@@ -217,21 +215,23 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
       accumulators = None
       with tf.init_scope():
-        if accumulates:
-          accumulators = accumulators_lib.create_all(
-              self._opt, present, self._grad_steps, sparse,
-              self._accumulator_dtype, self._xla_num_partitions, in_xla,
-              local)
         state = cycle_state.train_op_state(
             self._rules, replica_context, global_step, local, accumulates,
             own_counter=accumulates and (
                 self._use_tpu or global_step is None or local is not None))
+        if accumulates:  # each train op its own (see accumulators)
+          accumulators = accumulators_lib.create_all(
+              self._opt, present, self._grad_steps, sparse,
+              self._accumulator_dtype, self._xla_num_partitions, in_xla,
+              local, owner=state)
       if not any(state is own for own in self._states):
         self._states.append(state)
       part = cycle_state.ReplicaPart(state, var_list, accumulators)
+      weight = arguments.weight_tensor(self._micro_batch_weight)
       accumulate = self._micro_step(
-          part, [g for g, _ in present],
-          arguments.weight_tensor(self._micro_batch_weight), sparse)
+          part, [g for g, _ in present], weight, sparse,
+          placement.initialized_check(local, state.variables()) +
+          arguments.check_weight_value(weight, self._rules.nonfinite_policy))
       # The cycle is decided on the wrapper's own counter if it has one,
       # else on the global step the train op counts.
       step = global_step if state.counter is None else state.counter
@@ -247,10 +247,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   # -------------------------------------------------------- the algorithm --
 
-  def _micro_step(self, part, gradients, weight, sparse):
+  def _micro_step(self, part, gradients, weight, sparse, checks):
     """1. This replica's micro-step: check, weigh, add. Returns its op.
 
-    Without accumulators, `part` keeps the weighed gradients and counts.
+    `checks` run before anything is added. Without accumulators, `part`
+    keeps the weighed gradients and counts for the apply step.
     """
     rules = self._rules
     finite = None
@@ -261,13 +262,15 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     counts = cycle_state.increments(rules, finite, weight)
     if part.accumulators is None:
       part.keep_micro_step(gradients, counts, sparse)
-      return tf.no_op()
+      return tf.group(*checks)  # the apply step runs after it
 
     def add():
       adds = [a.add(g) for a, g in zip(part.accumulators, gradients)]
       return tf.group(*adds, name='accumulate')
 
-    added = add() if finite is None else lazy_cond.cond(finite, add, tf.no_op)
+    with tf.control_dependencies(checks):
+      added = (add() if finite is None else
+               lazy_cond.cond(finite, add, tf.no_op))
     with tf.control_dependencies([added]):
       counted = cycle_state.add_counts(part.state, counts)
     # Every micro-step is marked, skipped or not (see SparseAccumulator).
@@ -378,20 +381,15 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   # ------------------------------------------------ the wrapped optimizer --
 
-  def get_slot(self, *args, **kwargs):
-    """Delegates to the wrapped optimizer, which owns every slot."""
+  def get_slot(self, *args, **kwargs):  # the wrapped optimizer owns them
     return self._opt.get_slot(*args, **kwargs)
 
-  def get_slot_names(self, *args, **kwargs):
-    """Delegates to the wrapped optimizer; includes `grad_accum`."""
+  def get_slot_names(self, *args, **kwargs):  # with grad_accum
     return self._opt.get_slot_names(*args, **kwargs)
 
   def variables(self):
-    """The wrapped optimizer's variables, plus the wrapper's own counters.
-
-    Returns:
-      A list of variables of the current graph, sorted by name.
-    """
+    """The wrapped optimizer's variables and the wrapper's own counters,
+    those of the current graph, sorted by name."""
     variables = list(self._opt.variables())
     graph = tf.compat.v1.get_default_graph()
     for state in self._states:

@@ -65,6 +65,34 @@ def worker_device(var_list):
   return None
 
 
+def initialized_check(local, state_variables):
+  """[An op failing a micro-step whose worker-local state is uninitialized].
+
+  The worker's accumulators and counters are local variables: a raw
+  `Session` that runs only `global_variables_initializer()` would fail at
+  the first micro-step with TensorFlow's "Invalid variable reference" or
+  "uninitialized value", naming none of this.
+
+  Args:
+    local: a `WorkerLocal`, or None (then there is nothing to check).
+    state_variables: the train op's own variables, created together.
+
+  Returns:
+    A list of at most one op.
+  """
+  if local is None or not state_variables:
+    return []
+  first = state_variables[0]
+  return [tf.debugging.Assert(
+      tf.compat.v1.is_variable_initialized(first),
+      ['GradientAggregationOptimizer: on a parameter-server worker the '
+       'accumulators and counters are local variables of the worker (%s '
+       'is one): run tf.compat.v1.local_variables_initializer() in this '
+       'session besides global_variables_initializer() '
+       '(MonitoredTrainingSession and Estimator run both).' %
+       first.op.name])]
+
+
 def worker_local(var_list):
   """A `WorkerLocal` where `var_list` lives on other jobs, else None."""
   device = worker_device(var_list)

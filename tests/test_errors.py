@@ -181,3 +181,142 @@ def test_accumulator_dtype_needs_a_known_shape():
     with pytest.raises(ValueError, match='accumulator_dtype=float64 needs '
                        'variables of known shape'):
       optimizer.minimize(tf.reduce_sum(v))
+
+
+# --------------------------------------------- what would train silently wrong
+
+@pytest.mark.parametrize('accumulator_dtype, variable_dtype', [
+    (tf.float16, tf.float32), (tf.float32, tf.float64),
+    (tf.bfloat16, tf.float16), (tf.float16, tf.bfloat16)])
+def test_accumulator_narrower_than_the_variable_is_refused(
+    accumulator_dtype, variable_dtype, use_tpu):
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', [2], dtype=variable_dtype)
+    optimizer = GradientAggregationOptimizer(
+        _sgd(), 2, use_tpu=use_tpu, accumulator_dtype=accumulator_dtype)
+    with pytest.raises(ValueError, match='accumulator_dtype=%s cannot hold '
+                       'the gradients of w.* dtype is %s' % (
+                           accumulator_dtype.name, variable_dtype.name)):
+      optimizer.minimize(tf.reduce_sum(tf.cast(w, tf.float32)))
+
+
+@pytest.mark.parametrize('accumulator_dtype, variable_dtype', [
+    (tf.float32, tf.float16), (tf.float32, tf.bfloat16),
+    (tf.float64, tf.float32), (tf.float32, tf.float32)])
+def test_accumulator_as_wide_or_wider_is_accepted(accumulator_dtype,
+                                                  variable_dtype):
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', [2], dtype=variable_dtype)
+    optimizer = GradientAggregationOptimizer(
+        _sgd(), 2, accumulator_dtype=accumulator_dtype)
+    optimizer.minimize(tf.reduce_sum(tf.cast(w, tf.float32)))
+    assert optimizer.get_slot(w, 'grad_accum').dtype.base_dtype == (
+        accumulator_dtype)
+
+
+def _weighted_run(weights, use_tpu, grad_steps=3, **wrapper_kwargs):
+  """Runs SGD(1) on w with gradient [1, 2] and each of `weights` in turn.
+
+  Returns w afterwards.
+  """
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', initializer=np.zeros(2, np.float32))
+    weight = tf.compat.v1.placeholder(tf.float32, [])
+    optimizer = GradientAggregationOptimizer(
+        _sgd_with_rate(1.0), grad_steps, use_tpu=use_tpu,
+        micro_batch_weight=weight, **wrapper_kwargs)
+    train_op = optimizer.minimize(tf.reduce_sum(w * [1.0, 2.0]))
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for value in weights:
+        session.run(train_op, {weight: value})
+      return session.run(w)
+
+
+def _sgd_with_rate(rate):
+  return tf.compat.v1.train.GradientDescentOptimizer(rate)
+
+
+@pytest.mark.parametrize('grad_steps', [1, 3])
+@pytest.mark.parametrize('bad', [-2.0, np.nan, np.inf, -np.inf])
+def test_a_bad_weight_fails_its_micro_step(bad, grad_steps, use_tpu):
+  """Negative: the cycle's weights would sum below 0 and apply nothing;
+  NaN or inf: the update would be nothing or NaN. Without a policy each
+  fails its micro-step, before anything is added, naming the argument."""
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r'micro_batch_weight must be a finite number >= 0'
+                     r'[\s\S]*at this micro-step it is\] \[%s\]' % (
+                         {-2.0: '-2'}.get(bad, bad),)):
+    _weighted_run([3.0, bad, 1.0], use_tpu, grad_steps=grad_steps)
+
+
+@pytest.mark.parametrize('policy', ['skip_micro_batch', 'skip_cycle'])
+@pytest.mark.parametrize('bad', [np.nan, np.inf])
+def test_a_nonfinite_weight_is_skipped_by_a_policy(policy, bad, use_tpu):
+  """With a policy a NaN or inf weight makes its micro-batch non-finite."""
+  weights = [3.0, bad, 1.0, 2.0, 2.0, 4.0]
+  applied = -_weighted_run(weights, use_tpu, nonfinite_policy=policy)
+  gradient = np.array([1.0, 2.0])
+  # Cycle 1 without its bad micro-batch (or nothing), cycle 2 whole; each
+  # the weighted mean of one gradient: the gradient itself.
+  expected = gradient * (2 if policy == 'skip_micro_batch' else 1)
+  np.testing.assert_allclose(applied, expected, rtol=1e-6)
+
+
+def test_a_negative_weight_fails_also_with_a_policy(use_tpu):
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match='micro_batch_weight must be a finite number >= 0'):
+    _weighted_run([3.0, -1.0, 1.0], use_tpu,
+                  nonfinite_policy='skip_micro_batch')
+
+
+@pytest.mark.parametrize('weight', [-1.0, float('nan'), float('inf')])
+def test_a_bad_constant_weight_is_refused_at_graph_build(weight):
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', [2])
+    optimizer = GradientAggregationOptimizer(
+        _sgd(), 2, micro_batch_weight=tf.constant(weight))
+    with pytest.raises(ValueError, match='micro_batch_weight must be a '
+                       r'finite number >= 0.*got %s' % weight):
+      optimizer.minimize(tf.reduce_sum(w))
+
+
+@pytest.mark.parametrize('weight', [
+    lambda: tf.constant('7'), lambda: tf.constant(True),
+    lambda: tf.constant(1 + 2j)])
+def test_a_weight_that_is_no_number_is_refused_at_graph_build(weight):
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', [2])
+    optimizer = GradientAggregationOptimizer(_sgd(), 2,
+                                             micro_batch_weight=weight)
+    with pytest.raises(TypeError, match='micro_batch_weight must be a finite '
+                       'number >= 0.*got a tensor of dtype'):
+      optimizer.minimize(tf.reduce_sum(w))
+
+
+def test_integer_token_counts_are_weights():
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', initializer=np.zeros(2, np.float32))
+    count = tf.compat.v1.placeholder(tf.int64, [])
+    optimizer = GradientAggregationOptimizer(_sgd_with_rate(1.0), 2,
+                                             micro_batch_weight=count)
+    feed = tf.compat.v1.placeholder(tf.float32, [2])
+    train_op = optimizer.apply_gradients([(feed, w)])
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(train_op, {feed: [1.0, 0.0], count: 3})
+      session.run(train_op, {feed: [0.0, 1.0], count: 1})
+      np.testing.assert_allclose(-session.run(w), [0.75, 0.25], rtol=1e-6)
+
+
+def test_tpu_path_under_a_multi_replica_strategy_is_refused():
+  """The TPU path applies inside tf.cond, where merge_call cannot run."""
+  with tf.Graph().as_default():
+    strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
+    with strategy.scope():
+      w = tf.compat.v1.get_variable('w', [2])
+      optimizer = GradientAggregationOptimizer(_sgd(), 2, use_tpu=True)
+      with pytest.raises(ValueError, match='use_tpu=True under '
+                         'MirroredStrategy with 2 replicas.*use_tpu=False'):
+        strategy.extended.call_for_each_replica(
+            lambda: optimizer.minimize(tf.reduce_sum(w)))

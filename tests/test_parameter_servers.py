@@ -439,6 +439,34 @@ def test_accumulate_only_micro_steps_send_nothing_to_the_ps(cluster, wrap):
     assert sum(sends_gradient) >= 2 * K, received
 
 
+@pytest.mark.parametrize('table', [False, True], ids=['dense', 'table'])
+def test_a_session_without_the_local_initializer_is_told_to_run_it(
+    cluster, use_tpu, table):
+  """A raw Session that initializes only the global variables.
+
+  The worker's accumulators and counters are local variables: its first
+  micro-step fails, naming local_variables_initializer(), and after running
+  it the worker trains.
+  """
+  workers, _ = cluster
+  run = next(_runs)
+  with tf.Graph().as_default():
+    built = _build(run, 0, 1, PS, use_tpu, table)
+    with tf.compat.v1.Session(workers[0].target,
+                              config=_session_config()) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match=r'local variables of the worker[\s\S]*run '
+                         r'tf.compat.v1.local_variables_initializer\(\)'):
+        session.run(built['train_op'], {built['index']: 0})
+      session.run(tf.compat.v1.local_variables_initializer())
+      for index in range(K):
+        session.run(built['train_op'], {built['index']: index})
+      step, w, _ = session.run(built['state'][:3])
+  assert step == K
+  np.testing.assert_allclose(w[:K], -np.ones(K) / K, rtol=1e-6)
+
+
 def test_parameter_server_strategy_is_refused_at_graph_build():
   # Its variable placement would share the accumulators among workers.
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(

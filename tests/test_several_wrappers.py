@@ -124,6 +124,67 @@ def test_one_wrapper_minimizing_two_losses_in_turn(use_tpu):
                                       _by_hand(_FEEDS[1], 2)[-1]], rtol=1e-6)
 
 
+@pytest.mark.parametrize('trunk', ['dense', 'table'])
+@pytest.mark.parametrize('optimizer', ['GradientDescent', 'Momentum'])
+def test_two_train_ops_on_a_shared_trunk_each_train_on_their_own_loss(
+    optimizer, trunk, use_tpu):
+  """A multi-task model: one wrapper, two losses sharing the trunk `w`.
+
+  Each train op has its own accumulator of `w` (the first the original's
+  name): each applies the mean of its own micro-batches only, as the bare
+  optimizer with one train op per loss on the large batches. The losses
+  are linear, so the gradients do not depend on when the other applies.
+  As a table, `w`'s rows are looked up (sparse gradients, row accumulators).
+  """
+  grad_steps, cycles = 3, 4
+  rng = np.random.RandomState(0)
+  feeds = rng.randn(2, cycles, grad_steps, 2).astype(np.float32)
+  make = {
+      'GradientDescent': lambda: tf.compat.v1.train.GradientDescentOptimizer(
+          LEARNING_RATE),
+      'Momentum': lambda: tf.compat.v1.train.MomentumOptimizer(
+          LEARNING_RATE, 0.9)}[optimizer]
+
+  def run(wrapped):
+    with tf.Graph().as_default():
+      global_step = tf.compat.v1.train.get_or_create_global_step()
+      x = [tf.compat.v1.placeholder(tf.float32, [2]) for _ in range(2)]
+      w = tf.compat.v1.get_variable('w', initializer=[[1.0, -1.0]] * 3)
+      heads = [tf.compat.v1.get_variable('head%d' % i, initializer=1.0)
+               for i in range(2)]
+      # Loss i reads rows i and 2 of the trunk (the dense one: all of it).
+      rows = [tf.nn.embedding_lookup(w, [i, 2]) if trunk == 'table' else w
+              for i in range(2)]
+      losses = [tf.reduce_sum(rows[i] * x[i]) + heads[i] * x[i][0]
+                for i in range(2)]
+      opt = make()
+      if wrapped:
+        opt = deferred_grad.GradientAggregationOptimizer(
+            opt, grad_steps, use_tpu=use_tpu)
+      train_ops = [opt.minimize(losses[0], global_step=global_step),
+                   opt.minimize(losses[1])]
+      names = sorted(v.op.name for v in tf.compat.v1.global_variables()
+                     if 'GradientAccumulator' in v.op.name)
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for cycle in range(cycles):
+          if wrapped:  # the two train ops in turn, micro-step by micro-step
+            for step in range(grad_steps):
+              for i in range(2):
+                session.run(train_ops[i], {x[i]: feeds[i, cycle, step]})
+          else:  # each on its large batch: the mean of its micro-batches
+            for i in range(2):
+              session.run(train_ops[i], {x[i]: feeds[i, cycle].mean(0)})
+        return session.run([w] + heads), names
+
+  actual, names = run(True)
+  expected, _ = run(False)
+  for a, e in zip(actual, expected):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+  assert 'w/GradientAccumulator' in names, names
+  assert 'w/GradientAccumulator_1' in names, names
+
+
 def test_two_train_ops_counting_one_global_step_raise(use_tpu):
   """Each would see every other micro-step: refused at graph build."""
   with pytest.raises(ValueError, match='already counted by another'):
