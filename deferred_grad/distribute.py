@@ -5,6 +5,7 @@ from __future__ import division
 from __future__ import print_function
 
 import contextlib
+import weakref
 
 from deferred_grad import compat
 
@@ -178,6 +179,10 @@ def sum_over_replicas(distribution, values_fn, *args):
   return tf.unstack(summed)
 
 
+# graph -> the plain global-step read that `plain_global_step_read` cached.
+_PLAIN_READS = weakref.WeakKeyDictionary()
+
+
 def plain_global_step_read(global_step):
   """Gives hooks a read of `global_step` that needs no other worker.
 
@@ -204,13 +209,13 @@ def plain_global_step_read(global_step):
   # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
   graph = tf.compat.v1.get_default_graph()
   cached = graph.get_collection_ref(training_util.GLOBAL_STEP_READ_KEY)
-  if cached and getattr(cached[0], '_deferred_grad_plain', False):
+  if cached and cached[0] is _PLAIN_READS.get(graph):
     return
   with tf.init_scope(), graph.name_scope(None):
     with graph.name_scope(global_step.op.name + '/'):
       read = tf.identity(compat.local_variable(global_step).read_value(),
                          name='plain_read')
-  read._deferred_grad_plain = True  # pylint: disable=protected-access
+  _PLAIN_READS[graph] = read
   del cached[:]
   cached.append(read)
 

@@ -211,7 +211,7 @@ def linear_gradient(w, x, y, poison):
 
 
 MAX_TOKENS = 7
-# Tokens per micro-batch: a cycle of 4 micro-batches as in the issue.
+# Tokens per micro-batch: a cycle of 4 micro-batches of unequal size.
 TOKEN_COUNTS = (3, 7, 1, 5)
 
 

@@ -253,23 +253,3 @@ def test_sum_with_loss_scaling_outermost():
   with trainer.session() as session:
     actual = trainer.run(session, data)
   assert_same_training(actual, expected)
-
-
-@pytest.mark.parametrize('kwargs, error, message', [
-    ({'aggregation': 'average'}, ValueError, 'aggregation must be one of'),
-    ({'micro_batch_weight': 3}, TypeError, 'micro_batch_weight must be None'),
-])
-def test_keywords_are_checked(kwargs, error, message):
-  with pytest.raises(error, match=message):
-    deferred_grad.GradientAggregationOptimizer(
-        tf.compat.v1.train.GradientDescentOptimizer(0.1), 2, **kwargs)
-
-
-def test_weight_must_be_a_scalar():
-  with tf.Graph().as_default():
-    v = tf.compat.v1.get_variable('v', initializer=[1.0, 2.0])
-    optimizer = deferred_grad.GradientAggregationOptimizer(
-        tf.compat.v1.train.GradientDescentOptimizer(0.1), 2,
-        micro_batch_weight=tf.ones([2]))
-    with pytest.raises(ValueError, match='micro_batch_weight must be a scalar'):
-      optimizer.minimize(tf.reduce_sum(v))

@@ -115,8 +115,9 @@ def test_gpu_path_refuses_cross_replica_context():
 def test_minimize_outside_the_replica_context_says_where(call):
   """The usual mistake: minimize() directly under strategy.scope().
 
-  It used to fail deep in TensorFlow ("DistributedVariable.handle is not
-  available outside the replica context").
+  Else it fails deep in TensorFlow ("DistributedVariable.handle is not
+  available outside the replica context"), which says nothing of where to
+  call it.
   """
   with tf.Graph().as_default():
     strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
@@ -180,6 +181,26 @@ def test_accumulator_dtype_needs_a_known_shape():
         _sgd(), 2, accumulator_dtype=tf.float64)
     with pytest.raises(ValueError, match='accumulator_dtype=float64 needs '
                        'variables of known shape'):
+      optimizer.minimize(tf.reduce_sum(v))
+
+
+@pytest.mark.parametrize('kwargs, error, message', [
+    ({'aggregation': 'average'}, ValueError, 'aggregation must be one of'),
+    ({'micro_batch_weight': 3}, TypeError, 'micro_batch_weight must be None'),
+])
+def test_aggregation_keywords(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), 2, **kwargs)
+
+
+def test_weight_must_be_a_scalar():
+  with tf.Graph().as_default():
+    v = tf.compat.v1.get_variable('v', initializer=[1.0, 2.0])
+    optimizer = GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), 2,
+        micro_batch_weight=tf.ones([2]))
+    with pytest.raises(ValueError, match='micro_batch_weight must be a scalar'):
       optimizer.minimize(tf.reduce_sum(v))
 
 

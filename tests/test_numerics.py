@@ -219,7 +219,7 @@ def test_clip_norm_clips_the_accumulated_gradient(use_tpu):
 
 
 def test_clip_norm_under_mirrored_strategy_uses_the_global_norm():
-  """In both behaviours (it used to raise under disable_v2_behavior())."""
+  """In both behaviours (under disable_v2_behavior() too)."""
   data = make_data(models.CYCLES,
                    training.REPLICAS * GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(_clipped_momentum, data)
@@ -302,7 +302,7 @@ def _feed_gradients(gradients, use_tpu, **wrapper_kwargs):
 def test_skip_micro_batch_then_clip(clip_norm, expected, use_tpu):
   """The mean of the finite micro-batches, then clipped: as the large batch.
 
-  The wrapper used to clip sum / grad_steps and rescale afterwards, giving
+  Clipping sum / grad_steps and rescaling afterwards would give
   [0.8, 1.0667] (norm 1.33) for clip_norm=1, and [3, 4] unclipped for 4.5.
   """
   applied = _feed_gradients([[3, 4], [np.nan, 0], [3, 4], [3, 4]], use_tpu,

@@ -43,8 +43,8 @@ def test_ported_script_trains_like_the_large_batch(grad_steps, use_tpu):
   """At grad_steps=1 too: the edits made unconditionally keep the contract.
 
   BERT's optimizer ignores global_step; the wrapper counts it, so the
-  warm-up schedule moves (it used to stay at 0 with grad_steps=1, and the
-  weights never moved).
+  warm-up schedule moves (a global_step left uncounted at grad_steps=1
+  would keep it at 0, and the weights would never move).
   """
   examples = bert_porting.make_examples(
       UPDATES * GRAD_STEPS, MICRO_BATCH * GRAD_STEPS // grad_steps,
@@ -207,112 +207,3 @@ def test_nonfinite_policy_at_grad_steps_one(policy, use_tpu):
       np.testing.assert_array_equal(session.run(w), [-4, -1])
       assert session.run([optimizer.skipped_micro_batches,
                           optimizer.skipped_cycles, global_step]) == [1, 1, 3]
-
-
-# ------------------------------------ accumulation on an old checkpoint --
-
-
-def _checkpoint_without_wrapper(directory, optimizer='Adam', steps=3):
-  """Trains the MLP with the bare optimizer; returns (path, weights).
-
-  `steps` is a multiple of the grad_steps the tests turn on (3): on the GPU
-  path the cycle is read from global_step, and a restored global_step that
-  is not a multiple of grad_steps starts with a shorter cycle.
-  """
-  data = models.make_data(steps, models.MICRO_BATCH)
-  trainer = training.Trainer(models.OPTIMIZERS[optimizer])
-  with trainer.session() as session:
-    trainer.run(session, data)
-    path = tf.compat.v1.train.Saver().save(session,
-                                           os.path.join(directory, 'model'))
-    return path, session.run(trainer.variables)
-
-
-def test_plain_saver_cannot_restore_it(tmp_path):
-  """Why deferred_grad.Saver exists (the porting issue's NotFoundError)."""
-  path, _ = _checkpoint_without_wrapper(str(tmp_path))
-  trainer = training.Trainer(models.OPTIMIZERS['Adam'], 3)
-  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
-    with pytest.raises(tf.errors.NotFoundError, match='GradientAccumulator'):
-      tf.compat.v1.train.Saver().restore(session, path)
-
-
-@pytest.mark.parametrize('optimizer', ['Adam', 'Momentum'])
-def test_saver_turns_accumulation_on_for_an_old_checkpoint(optimizer, use_tpu,
-                                                           tmp_path):
-  """The model (and Adam's beta powers, named cond/ under v1) restore; the
-  accumulators start at zero; training goes on like the large batch."""
-  path, weights = _checkpoint_without_wrapper(str(tmp_path), optimizer)
-  data = models.make_data(models.CYCLES, 3 * models.MICRO_BATCH, seed=5)
-  large = training.Trainer(models.OPTIMIZERS[optimizer])
-  with large.graph.as_default(), tf.compat.v1.Session() as session:
-    tf.compat.v1.train.Saver().restore(session, path)
-    expected = large.run(session, data)
-  trainer = training.Trainer(models.OPTIMIZERS[optimizer], 3,
-                             use_tpu=use_tpu)
-  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
-    deferred_grad.Saver().restore(session, path)
-    restored = session.run(trainer.variables)
-    for name in weights:
-      np.testing.assert_array_equal(restored[name], weights[name])
-    accumulator = trainer.optimizer.get_slot(trainer.variables['w1'],
-                                             'grad_accum')
-    assert not np.any(session.run(accumulator))
-    actual = trainer.run(session, data)
-  training.assert_same_training(actual, expected)
-
-
-def test_saver_restores_its_own_checkpoints_mid_cycle(tmp_path):
-  """With the state present it restores everything, as a plain Saver."""
-  trainer = training.Trainer(models.OPTIMIZERS['Adam'], 3)
-  x, y = models.make_data(1, models.MICRO_BATCH)
-  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
-    session.run(trainer.init_op)
-    trainer.micro_step(session, x[0], y[0])
-    accumulator = trainer.optimizer.get_slot(trainer.variables['w1'],
-                                             'grad_accum')
-    saved = session.run(accumulator)
-    path = deferred_grad.Saver().save(session, str(tmp_path / 'model'))
-  second = training.Trainer(models.OPTIMIZERS['Adam'], 3)
-  with second.graph.as_default(), tf.compat.v1.Session() as session:
-    deferred_grad.Saver().restore(session, path)
-    accumulator = second.optimizer.get_slot(second.variables['w1'],
-                                            'grad_accum')
-    np.testing.assert_array_equal(session.run(accumulator), saved)
-    assert np.any(saved)
-
-
-def test_saver_in_a_monitored_session_scaffold(use_tpu, tmp_path):
-  """MonitoredTrainingSession on a checkpoint_dir written without it."""
-  checkpoint_dir = str(tmp_path)
-  _checkpoint_without_wrapper(checkpoint_dir)
-  trainer = training.Trainer(models.OPTIMIZERS['Adam'], 3, use_tpu=use_tpu)
-  x, y = models.make_data(6, models.MICRO_BATCH)
-  with trainer.graph.as_default():
-    scaffold = tf.compat.v1.train.Scaffold(saver=deferred_grad.Saver())
-    with tf.compat.v1.train.MonitoredTrainingSession(
-        checkpoint_dir=checkpoint_dir, scaffold=scaffold,
-        save_checkpoint_secs=None, save_checkpoint_steps=None,
-        save_summaries_steps=None, save_summaries_secs=None,
-        log_step_count_steps=None) as session:
-      start = session.run(trainer.global_step)
-      for step in range(6):
-        trainer.micro_step(session, x[step], y[step])
-      assert session.run(trainer.global_step) == start + 6
-
-
-def test_checkpoint_with_accumulators_restores_without_the_wrapper(tmp_path):
-  """Back: an evaluation or export graph restores the model from it."""
-  trainer = training.Trainer(models.OPTIMIZERS['Adam'], 3)
-  data = models.make_data(2, 3 * models.MICRO_BATCH)
-  with trainer.session() as session:
-    trainer.run(session, data)
-    path = tf.compat.v1.train.Saver().save(session, str(tmp_path / 'model'))
-    expected = session.run(trainer.variables)
-  with tf.Graph().as_default():
-    _, variables = models.model_loss(
-        tf.zeros([1, models.INPUT_DIM]), tf.zeros([1, models.OUTPUT_DIM]))
-    with tf.compat.v1.Session() as session:
-      tf.compat.v1.train.Saver(variables).restore(session, path)
-      actual = session.run(variables)
-  training.assert_same_training([actual], [expected], rtol=0, atol=0)

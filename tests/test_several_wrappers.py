@@ -64,9 +64,10 @@ def test_two_wrappers_cycle_on_their_own(use_tpu, reuse, global_step_for,
                                          policy):
   """a with K=2 and b with K=3, run together: each as if alone, every run.
 
-  Under AUTO_REUSE the wrappers used to share one update_count and apply at
-  the wrong micro-steps (b never moved); without it, the second raised
-  "Variable update_count already exists".
+  Under AUTO_REUSE wrappers sharing one update_count would apply at the
+  wrong micro-steps (b would never move); without it, a second
+  update_count of the same name would raise "Variable update_count already
+  exists".
   """
   grad_steps = {'a': 2, 'b': 3}
   graph, train_op, (x, y), variables, _ = _linear_graph(

@@ -194,7 +194,7 @@ def test_every_touched_row_is_handed_on(optimizer, use_tpu):
 
   The large batch's IndexedSlices holds it, so RMSProp and Adadelta decay
   its slots, Ftrl and the proximal optimizers shrink it: the wrapper must
-  hand it on too (it used to leave out touched rows summing to zero).
+  hand it on too, also a touched row whose sum is exactly zero.
   Weights and every slot of the wrapped optimizer are compared.
   """
   make_optimizer = models.OPTIMIZERS[optimizer]
