@@ -1,4 +1,10 @@
-"""Smoke tests of the scripts under tools/: the demo and the examples."""
+"""The scripts under tools/ run: the demo and every example (the guides).
+
+Each example that compares itself with the large batch prints its largest
+difference; the tests hold it to float32 round-off.
+"""
+
+import re
 
 import pytest
 import tensorflow as tf
@@ -40,3 +46,45 @@ def test_bert_porting_example_trains_like_the_large_batch():
   difference = float(output.rsplit('largest weight difference:', 1)[1])
   # BERT's loss adds 1e-5 to the masked-token count (see the example).
   assert difference < 1e-4, output
+
+
+def _differences(output):
+  """Every 'largest ... difference ...: X' figure an example printed."""
+  found = [float(x) for x in re.findall(
+      r'largest [^\n]*?difference[^\n]*?: ([-+\d.e]+)', output)]
+  assert found, output
+  return found
+
+
+@run_once_per_version
+@pytest.mark.parametrize('example, flags, figures', [
+    ('mirrored_example.py', ['--grad_steps=3', '--updates=4'], 1),
+    ('multi_worker_example.py', ['--grad_steps=3', '--updates=3'], 2),
+    ('embedding_example.py', ['--grad_steps=3', '--updates=4'], 1),
+    ('xla_example.py', ['--grad_steps=3', '--updates=4'], 1),
+    ('numerics_example.py', ['--grad_steps=3', '--updates=5'], 2),
+    ('monitored_session_example.py', ['--grad_steps=3', '--updates=4'], 1),
+])
+def test_example_trains_like_the_large_batch(example, flags, figures):
+  output = run_tool('examples/' + example, *flags)
+  differences = _differences(output)
+  assert len(differences) == figures, output
+  assert max(differences) < 1e-5, output
+
+
+@run_once_per_version
+def test_parameter_server_example_trains():
+  first, last = scripts.loss_decrease(run_tool(
+      'examples/parameter_server_example.py', '--grad_steps=2',
+      '--updates=8'))
+  assert last < first
+
+
+@run_once_per_version
+def test_keras_example_trains_and_counts_micro_steps_in_iterations():
+  output = run_tool('examples/keras_fit_example.py', '--grad_steps=2',
+                    '--epochs=3')
+  first, last = scripts.loss_decrease(output)
+  assert last < first
+  # An epoch is 16 updates of 2 micro-batches.
+  assert 'iterations (micro-steps): 96' in output, output

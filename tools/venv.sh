@@ -37,14 +37,25 @@ ensure_venv() {
   [ "$flavour" = cuda ] && package="tensorflow[and-cuda]"
   python=$(python_for "$version") || return 1
   requirements="$package==$version six absl-py pytest setuptools wheel"
-  case $version in 2.15.*) requirements="$requirements tensorflow-estimator==2.15.0" ;; esac
+  # Keras 2 for the model.fit tests: TensorFlow 2.15 bundles it as tf.keras;
+  # from 2.16 on it is the tf_keras package of the same version, installed
+  # without its dependencies (it asks for the full tensorflow package, which
+  # would land on top of tensorflow-cpu).
+  local extras=""
+  case $version in
+    2.15.*) requirements="$requirements tensorflow-estimator==2.15.0" ;;
+    *) extras="tf_keras==$version" ;;
+  esac
   venv=$cache/venv-tf$version${flavour:+-$flavour}-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-  if [ "$(cat "$venv/.requirements" 2>/dev/null)" != "$requirements" ]; then
+  if [ "$(cat "$venv/.requirements" 2>/dev/null)" != "$requirements${extras:+ $extras}" ]; then
     echo "setting up $venv (once; TensorFlow is a large download)" >&2
     rm -rf "$venv"
     "$python" -m venv "$venv" >&2 || return 1
     "$venv/bin/pip" install --quiet --disable-pip-version-check $requirements >&2 || return 1
-    echo "$requirements" > "$venv/.requirements"
+    if [ -n "$extras" ]; then
+      "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps $extras >&2 || return 1
+    fi
+    echo "$requirements${extras:+ $extras}" > "$venv/.requirements"
   fi
   # Install, not import from the tree: the tests then also check packaging.
   "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps \

@@ -1,0 +1,179 @@
+"""Keras 2 `model.fit` in graph mode with the wrapper as the optimizer.
+
+`model.compile(optimizer=<a tf.compat.v1.train.Optimizer>)` wraps it in
+Keras's TFOptimizer, which calls `apply_gradients(..., global_step=iterations)`
+once per batch: `model.fit` at batch B with the wrapper then trains as
+`model.fit` at batch K*B with the bare optimizer, and `iterations` counts
+micro-steps. Under a tf.distribute strategy Keras passes the graph's global
+step instead (`tf.compat.v1.train.get_global_step()`, None unless the script
+made one) and leaves `iterations` at 0, for the bare optimizer as for the
+wrapper.
+
+Keras 2 is `tf.keras` on TensorFlow 2.15 and the `tf_keras` package (same
+version as TensorFlow) from 2.16 on; tools/test installs it.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import behavior  # pylint: disable=unused-import
+import deferred_grad
+
+if tf.__version__.startswith('2.15.'):
+  keras = tf.keras
+else:
+  keras = pytest.importorskip(
+      'tf_keras', reason='Keras 2 on TensorFlow %s is the tf_keras package: '
+      'pip install tf_keras==%s' % (tf.__version__, tf.__version__))
+
+GRAD_STEPS, MICRO_BATCH, CYCLES_PER_EPOCH, EPOCHS = 4, 8, 3, 2
+INPUT_DIM, OUTPUT_DIM = 5, 2
+
+OPTIMIZERS = {
+    'GradientDescent': lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1),
+    'Momentum': lambda: tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
+    'Adam': lambda: tf.compat.v1.train.AdamOptimizer(0.01),
+    'RMSProp': lambda: tf.compat.v1.train.RMSPropOptimizer(0.01),
+}
+
+
+def _data(replicas=1):
+  rng = np.random.RandomState(0)
+  n = GRAD_STEPS * MICRO_BATCH * replicas * CYCLES_PER_EPOCH
+  return (rng.randn(n, INPUT_DIM).astype(np.float32),
+          rng.randn(n, OUTPUT_DIM).astype(np.float32))
+
+
+def _mlp():
+  return keras.Sequential([
+      keras.layers.Dense(4, activation='tanh', input_shape=(INPUT_DIM,),
+                         kernel_initializer=keras.initializers.RandomNormal(
+                             seed=1)),
+      keras.layers.Dense(OUTPUT_DIM,
+                         kernel_initializer=keras.initializers.RandomNormal(
+                             seed=2)),
+  ])
+
+
+def _fit(make_optimizer, batch_size, data, strategy=None, make_model=_mlp,
+         epochs=EPOCHS):
+  """Trains a fresh model with `model.fit`.
+
+  Returns:
+    (weights before, weights after, the optimizer's `iterations`).
+  """
+  tf.compat.v1.reset_default_graph()
+  keras.backend.clear_session()
+  with strategy.scope() if strategy else contextlib.nullcontext():
+    model = make_model()
+    model.compile(optimizer=make_optimizer(), loss='mse')
+  before = model.get_weights()
+  model.fit(data[0], data[1], batch_size=batch_size, epochs=epochs,
+            shuffle=False, verbose=0)
+  iterations = keras.backend.get_value(model.optimizer.iterations)
+  return before, model.get_weights(), iterations
+
+
+def _wrapped(make_optimizer, use_tpu=False):
+  return lambda: deferred_grad.GradientAggregationOptimizer(
+      make_optimizer(), GRAD_STEPS, use_tpu=use_tpu)
+
+
+def _assert_same_weights(actual, expected, rtol=1e-5, atol=1e-6):
+  assert len(actual) == len(expected)
+  for i, (a, e) in enumerate(zip(actual, expected)):
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol,
+                               err_msg='weight %d' % i)
+
+
+def _assert_moved(before, after):
+  moved = max(np.abs(a - b).max() for a, b in zip(after, before))
+  assert moved > 1e-3, 'training moved the weights by only %g' % moved
+
+
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_fit_at_the_micro_batch_matches_fit_at_the_large_batch(name, use_tpu):
+  data = _data()
+  before, expected, large_iterations = _fit(
+      OPTIMIZERS[name], GRAD_STEPS * MICRO_BATCH, data)
+  before_w, actual, iterations = _fit(
+      _wrapped(OPTIMIZERS[name], use_tpu), MICRO_BATCH, data)
+  _assert_same_weights(before_w, before, rtol=0, atol=0)
+  _assert_moved(before, expected)
+  _assert_same_weights(actual, expected)
+  # Keras passes `iterations` as the global step: it counts micro-steps.
+  assert large_iterations == EPOCHS * CYCLES_PER_EPOCH
+  assert iterations == GRAD_STEPS * large_iterations
+
+
+@pytest.mark.parametrize('name', ['GradientDescent', 'Adam'])
+def test_fit_under_mirrored_strategy_matches_the_large_batch(name):
+  # batch_size is global under a strategy: each of the 2 replicas gets
+  # MICRO_BATCH rows per micro-step; a cycle is GRAD_STEPS * 2 * MICRO_BATCH.
+  replicas = 2
+  data = _data(replicas)
+  _, expected, _ = _fit(OPTIMIZERS[name],
+                        GRAD_STEPS * replicas * MICRO_BATCH, data)
+  strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
+  before, actual, iterations = _fit(_wrapped(OPTIMIZERS[name]),
+                                    replicas * MICRO_BATCH, data, strategy)
+  _assert_moved(before, expected)
+  _assert_same_weights(actual, expected)
+  assert iterations == 0  # see the module docstring
+
+
+def _batch_norm_model():
+  return keras.Sequential([
+      keras.layers.BatchNormalization(input_shape=(INPUT_DIM,), momentum=0.9,
+                                      epsilon=1e-3),
+      keras.layers.Dense(OUTPUT_DIM,
+                         kernel_initializer=keras.initializers.RandomNormal(
+                             seed=2)),
+  ])
+
+
+def _batch_norm_cycle_in_numpy(weights, x, y, learning_rate):
+  """One SGD cycle of BatchNormalization -> Dense with mse, in numpy.
+
+  Each micro-batch is normalised by its own statistics (batch norm stays per
+  micro-batch); the cycle applies the mean of the micro-batches' gradients,
+  and the moving averages update once per micro-batch.
+  """
+  gamma, beta, moving_mean, moving_var, kernel, bias = [
+      w.astype(np.float64) for w in weights]
+  grads = [np.zeros_like(v) for v in (gamma, beta, kernel, bias)]
+  for xb, yb in zip(np.split(x, GRAD_STEPS), np.split(y, GRAD_STEPS)):
+    mean, var = xb.mean(0), xb.var(0)
+    xhat = (xb - mean) / np.sqrt(var + 1e-3)
+    pred = (xhat * gamma + beta).dot(kernel) + bias
+    d_pred = 2.0 * (pred - yb) / pred.size
+    d_bn = d_pred.dot(kernel.T)
+    for g, d in zip(grads, ((d_bn * xhat).sum(0), d_bn.sum(0),
+                            (xhat * gamma + beta).T.dot(d_pred),
+                            d_pred.sum(0))):
+      g += d / GRAD_STEPS
+    # Keras's unfused batch norm (2-D inputs) updates the moving variance
+    # with the batch's biased variance.
+    moving_mean = 0.9 * moving_mean + 0.1 * mean
+    moving_var = 0.9 * moving_var + 0.1 * var
+  gamma, beta, kernel, bias = [
+      v - learning_rate * g
+      for v, g in zip((gamma, beta, kernel, bias), grads)]
+  return [gamma, beta, moving_mean, moving_var, kernel, bias]
+
+
+def test_batch_norm_normalises_each_micro_batch_and_applies_the_mean():
+  rng = np.random.RandomState(3)
+  n = GRAD_STEPS * MICRO_BATCH
+  x = (rng.randn(n, INPUT_DIM) * 2 + 1).astype(np.float32)
+  y = rng.randn(n, OUTPUT_DIM).astype(np.float32)
+  before, actual, iterations = _fit(
+      _wrapped(OPTIMIZERS['GradientDescent']), MICRO_BATCH, (x, y),
+      make_model=_batch_norm_model, epochs=1)
+  expected = _batch_norm_cycle_in_numpy(before, x, y, learning_rate=0.1)
+  _assert_moved(before, expected)
+  _assert_same_weights(actual, expected, rtol=1e-4, atol=1e-5)
+  assert iterations == GRAD_STEPS

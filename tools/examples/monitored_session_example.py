@@ -1,0 +1,153 @@
+r"""MonitoredTrainingSession with deferred_grad: checkpoints and resume.
+
+Run as a script it trains one model three ways and prints how far apart
+they end: without a stop; stopped mid-cycle and started again on the same
+`checkpoint_dir`; and from a checkpoint written without the wrapper.
+
+Step limits count micro-steps. `StopAtStepHook(last_step=...)`,
+`save_checkpoint_steps` and `save_summaries_steps` read `global_step`, which
+the wrapper increments once per micro-step: for N updates run
+N * grad_steps steps.
+
+Resuming needs nothing special. The accumulators (`<var>/GradientAccumulator`),
+the step and, on the TPU path, `update_count` are ordinary global variables:
+every saver writes them, and a job stopped mid-cycle resumes with its
+half-accumulated gradient, ending with exactly the weights of an
+uninterrupted run (tested for Session, MonitoredTrainingSession, Estimator
+and TPUEstimator's model_fn). Only the input pipeline must resume where it
+stopped, as it must without this library: here each micro-batch is chosen
+by the step it is fed at.
+
+Checkpoint names are the original's, so its checkpoints restore:
+
+  variable                                   checkpoint key
+  accumulator of v (slot `grad_accum`)       v/GradientAccumulator
+  the same, of a second train op on v        v/GradientAccumulator_1 (slot grad_accum_1)
+  cycle counter (TPU path, no global_step)   update_count (float32 scalar; update_count_1, ...)
+  the wrapped optimizer's slots              their usual names: v/Adam, v/Adam_1
+  its non-slot variables                     beta1_power (control flow v2) or
+                                             cond/beta1_power (control flow v1)
+
+`update_count` counts modulo grad_steps; a value written by the original
+(which counted on) is read modulo grad_steps and continues its cycle.
+
+Turning accumulation on for an existing checkpoint: one written without the
+wrapper (or with grad_steps=1) lacks the accumulators, and a plain Saver
+fails on it with `NotFoundError: Key .../GradientAccumulator not found`.
+`deferred_grad.Saver` is a drop-in `tf.compat.v1.train.Saver` that restores
+it: the model and the wrapped optimizer's variables come from the
+checkpoint, the wrapper's accumulators and counters start afresh (under
+`disable_v2_behavior()` it also maps `beta1_power` to `cond/beta1_power`).
+Build it after the train op and give it to the session through a Scaffold,
+as below (an Estimator model_fn: `EstimatorSpec(..., scaffold=scaffold)`).
+On the GPU path the cycle is read from `global_step`: restored at a step that
+is not a multiple of grad_steps, the first cycle is shorter (the sum of fewer
+micro-batches, divided by grad_steps). The other way, a checkpoint with
+accumulators restores into a graph without the wrapper (evaluation, export)
+with a plain Saver over the model's variables.
+
+Resuming with other settings: resume with the grad_steps, aggregation and
+micro_batch_weight the checkpoint was written with, or from a checkpoint
+written at a cycle boundary. A mid-cycle checkpoint restored with another
+grad_steps is not detected and its first update mixes the two. Switching
+use_tpu changes which counter decides: restore with deferred_grad.Saver.
+
+Under MirroredStrategy (also Estimator's train_distribute) each replica adds
+into its own part of an accumulator; the checkpoint holds their sum under
+the usual key (sync-on-read variables, SUM aggregation), and a restore gives
+each replica an equal share: a job stopped mid-cycle resumes with the same
+cycle sum, within round-off. Multi-worker jobs checkpoint at cycle
+boundaries only (see multi_worker_example.py).
+
+TensorFlow's StepCounterHook may print "It seems that global step
+(tf.train.get_global_step) has not been increased": it fetches global_step
+in the same run as the train op, unordered with the increment. It is
+harmless; `log_step_count_steps=None` removes the hook.
+
+  python tools/examples/monitored_session_example.py --grad_steps=4
+"""
+
+import os
+import shutil
+import tempfile
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+import deferred_grad
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
+flags.DEFINE_integer('micro_batch', 16, 'Examples per micro-batch.')
+flags.DEFINE_integer('updates', 6, 'Number of updates.')
+
+TRUE_W = np.random.RandomState(0).randn(8, 1).astype(np.float32)
+
+
+def micro_batch(step):
+  """The micro-batch fed at `step`: the input resumes with the step."""
+  x = np.random.RandomState(step).randn(FLAGS.micro_batch, 8)
+  return x.astype(np.float32), x.dot(TRUE_W).astype(np.float32)
+
+
+def train(checkpoint_dir, last_step, grad_steps, plain_saver=True):
+  """Trains to `last_step` from what `checkpoint_dir` holds; returns w, loss."""
+  with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [None, 8])
+    y = tf.compat.v1.placeholder(tf.float32, [None, 1])
+    w = tf.compat.v1.get_variable('w', [8, 1],
+                                  initializer=tf.zeros_initializer())
+    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    optimizer = tf.compat.v1.train.AdamOptimizer(0.2)
+    if grad_steps > 1:
+      optimizer = deferred_grad.GradientAggregationOptimizer(optimizer,
+                                                             grad_steps)
+    train_op = optimizer.minimize(loss, global_step=global_step)
+    # After the train op: it then knows the wrapper's variables.
+    scaffold = tf.compat.v1.train.Scaffold(
+        saver=None if plain_saver else deferred_grad.Saver())
+    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=last_step)]
+    with tf.compat.v1.train.MonitoredTrainingSession(
+        checkpoint_dir=checkpoint_dir, scaffold=scaffold, hooks=hooks,
+        save_checkpoint_steps=grad_steps, log_step_count_steps=None) as session:
+      while not session.should_stop():
+        batch_x, batch_y = micro_batch(session.run(global_step))
+        value, _ = session.run([loss, train_op], {x: batch_x, y: batch_y})
+    return tf.train.load_variable(checkpoint_dir, 'w'), value
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # the hooks' INFO lines
+  tf.compat.v1.disable_eager_execution()
+  k = FLAGS.grad_steps
+  last_step = FLAGS.updates * k
+  root = tempfile.mkdtemp()
+  try:
+    _, first_loss = train(root + '/a', 1, k)
+    straight, loss = train(root + '/a', last_step, k)
+    print('uninterrupted: %d micro-steps, %d updates' % (last_step,
+                                                          FLAGS.updates))
+    # Stop mid-cycle (the checkpoint is written when the session ends).
+    train(root + '/b', last_step // 2 + 1, k)
+    resumed, _ = train(root + '/b', last_step, k)
+    print('stopped at micro-step %d and resumed: largest weight difference '
+          'from the uninterrupted run: %.3g'
+          % (last_step // 2 + 1, np.abs(resumed - straight).max()))
+    # A checkpoint written without the wrapper, then accumulation on.
+    train(root + '/c', k, 1)
+    train(root + '/c', k + last_step, k, plain_saver=False)
+    print('a checkpoint without accumulators, restored by deferred_grad.Saver:'
+          ' trained on to step %d' % (k + last_step))
+    print('loss went from %.5f to %.5f' % (first_loss, loss))
+  finally:
+    shutil.rmtree(root)
+
+
+if __name__ == '__main__':
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  app.run(main)
