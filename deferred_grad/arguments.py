@@ -44,8 +44,9 @@ _SYNC_REPLICAS = (
     'it aggregates gradients across workers round by round on the chief and '
     'drops stale ones, so cycles of micro-batches would not match. On '
     'parameter servers each worker already accumulates its own micro-batches '
-    '(README, "Parameter servers"); for synchronous training across workers '
-    'use MultiWorkerMirroredStrategy (README, "Multi-worker").')
+    '(tools/examples/parameter_server_example.py); for synchronous training '
+    'across workers use MultiWorkerMirroredStrategy '
+    '(tools/examples/multi_worker_example.py).')
 
 
 def check_optimizer(opt):

@@ -84,8 +84,9 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
         'every worker, and train wrongly. Build the model under '
         'tf.compat.v1.train.replica_device_setter instead (an Estimator with '
         'ps tasks in TF_CONFIG and no train_distribute does): each worker '
-        'then accumulates its own micro-batches (README, "Parameter '
-        'servers").' % type(strategy).__name__)
+        'then accumulates its own micro-batches '
+        '(tools/examples/parameter_server_example.py).' %
+        type(strategy).__name__)
   if use_tpu and strategy.num_replicas_in_sync > 1:
     # The TPU path applies inside its tf.cond, where the wrapped optimizer's
     # merge_call (the strategy's all-reduce) cannot run.
@@ -127,7 +128,7 @@ def summed_on_save():
 
   Where the replicas span several workers, a save would be a collective that
   only the saving worker (the chief) runs: there the variables stay mirrored
-  (see the README's Multi-worker section).
+  (see tools/examples/multi_worker_example.py).
 
   Yields:
     Nothing.

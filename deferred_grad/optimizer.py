@@ -69,7 +69,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                clip_norm=None,
                aggregation='mean',
                micro_batch_weight=None):
-    """Constructs the wrapper. The README's "Usage" details every keyword.
+    """Constructs the wrapper (the README's keyword table links the guides).
 
     Args:
       opt: the `tf.compat.v1.train.Optimizer` that applies the mean gradient.

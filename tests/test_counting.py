@@ -116,7 +116,7 @@ def test_applies_update_needs_a_train_op():
 
 
 def test_summary_written_only_on_apply_steps(use_tpu, tmp_path):
-  """The README's recipe: a summary op under tf.cond(applies_update())."""
+  """The guides' recipe: a summary op under tf.cond(applies_update())."""
   trainer = Trainer(models.sgd, GRAD_STEPS, use_tpu=use_tpu)
   with trainer.graph.as_default():
     learning_rate = tf.constant(0.1)

@@ -1,7 +1,7 @@
 """Porting real TF1 scripts: BERT's create_optimizer, and one contract at
 every grad_steps.
 
-The worked example of the README's "Porting a TF1 script" section is
+The porting guide is the docstring of
 tools/examples/bert_porting.py: a BERT-like model with an optimizer written
 like BERT's (slots made in apply_gradients, global_step ignored, weight
 decay), a warm-up/decay schedule, global-norm clipping and the script's own

@@ -2,6 +2,10 @@
 
 The step suite's micro-step comparison on the same 3x1024 MLP, in eager
 `tf.function` steps, where `tf.keras` is Keras 3.
+
+Results (TensorFlow 2.21.0, Keras 3.15.1, 2 cores; ratio of the mean step
+over whole cycles to a bare step): SGD 12.17 ms bare, 10.86 ms with
+gradient_accumulation_steps=8 (0.892); Adam 18.23 ms, 10.66 ms (0.585).
 """
 
 import json

@@ -9,6 +9,11 @@ accumulate-only micro-step, from traced runs' RecvTensor records (which
 round to two significant digits, and now and then miss one: the largest of
 two cycles counts), and the time per micro-step (untraced, median of
 rounds).
+
+Results (TensorFlow 2.21): bare, K=1: 5,251,076 bytes into the ps per
+micro-step, 27.16 ms; wrapper K=4: 1,312,771 bytes, at most 9 on an
+accumulate-only micro-step, 22.68 ms; K=16: 328,193 bytes, 9, 22.50 ms.
+The 9 bytes are the cycle predicate and the global step's increment.
 """
 
 from benchmarks import cluster

@@ -12,6 +12,22 @@ memory is its own:
   original  the original module's dense accumulation of the same gradient
             (tables up to 1M rows: at 10M it allocates a 2.5 GB dense
             gradient per micro-step).
+
+Results (TensorFlow 2.21, 2 cores, K = 8; ms; RSS after training = peak):
+
+  rows x 64    accumulate-only  vs 10k  apply  cycle per micro-step  vs 10k  bare   original  RSS wrapper/bare MB
+  10,000       0.430            1.00x   1.460  0.584                 1.00x   0.192  0.614     556 / 536
+  1,000,000    0.450            1.04x   1.563  0.627                 1.07x   0.255  24.100    1544 / 1036
+  10,000,000   0.427            0.99x   1.572  0.577                 0.99x   0.289  not run   10815 / 5670
+
+Targets met: the cycle per micro-step at 10M rows within 1.5x of 10k rows
+(0.99x), and the accumulate-only micro-step too; the apply step alone is
+1.5 ms at every size (it dedups the recorded ids and touches those rows
+only). The accumulator is one more table-sized variable; each table-sized
+variable costs about twice its bytes of RSS, the bare run's table as much as
+the accumulator (TensorFlow's variable initialization under oneDNN's
+allocator, whose pool does not shrink: +508 MB of RSS for one 256 MB
+variable alone).
 """
 
 import json

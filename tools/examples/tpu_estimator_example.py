@@ -9,6 +9,16 @@ TPUEstimator(use_tpu=False) runs the same model_fn on the CPU. Needs
 TensorFlow 2.15, the last release with TPUEstimator
 (`pip install ".[estimator]"`).
 
+`train_batch_size` is the micro-batch; `max_steps` and
+`iterations_per_loop` count micro-steps. A CrossShardOptimizer as the
+wrapped optimizer scales the loss by 1/cores and sums on the apply step;
+`apply_crs_to_grad=True` sums the accumulated gradients as they are (divide
+the loss by the number of cores yourself for a mean). `TPUEstimator(
+use_tpu=False)` runs the same model_fn on the CPU (tested with both of the
+wrapper's paths). Built outside a TPU computation, `apply_crs_to_grad=True`
+raises a ValueError at graph build that says so. XLA and sharding: see
+xla_example.py.
+
   python tools/examples/tpu_estimator_example.py --grad_steps=4 --updates=20
 """
 
