@@ -102,17 +102,18 @@ class TrainOpState(object):
     self.step_value = check(value, self.grad_steps) if check else value
     return self.step_value
 
-  def applies_update(self, grad_steps):
+  def applies_update(self):
     """True when this run ends a cycle (always, with grad_steps=1)."""
     if self.step_value is None:
       return tf.constant(True)
-    return steps.is_cycle_end(self.step_value, grad_steps)
+    return steps.is_cycle_end(self.step_value, self.grad_steps)
 
-  def micro_step_in_cycle(self, grad_steps):
+  def micro_step_in_cycle(self):
     """This run's place in its cycle, an int64 tensor."""
     if self.step_value is None:
       return tf.constant(0, tf.int64)
-    return tf.cast(tf.math.floormod(self.step_value, grad_steps), tf.int64)
+    return tf.cast(tf.math.floormod(self.step_value, self.grad_steps),
+                   tf.int64)
 
   def variables(self):
     own = [self.counter] if self.counter is not None else []

@@ -157,11 +157,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     Raises:
       ValueError: no train op has been built yet.
     """
-    return self._last_state().applies_update(self._grad_steps)
+    return self._last_state().applies_update()
 
   def micro_step_in_cycle(self):
     """An int64 tensor: this run's place in its cycle (see applies_update)."""
-    return self._last_state().micro_step_in_cycle(self._grad_steps)
+    return self._last_state().micro_step_in_cycle()
 
   def _last_state(self):  # that of the train op built last
     if not self._states:

@@ -223,8 +223,11 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
     global_step, x, y, variables, train_op, optimizer = _build(strategy,
                                                                policy)
     barrier = deferred_grad.collective_barrier(strategy)
+    # The first barrier waits for a late worker; 'uneven' bounds the runs
+    # after it by 8 s, which its refused run must reach.
+    barrier_options = deferred_grad.collective_run_options()
     options = deferred_grad.collective_run_options(
-        timeout_seconds=20 if mode == 'uneven' else 600)
+        timeout_seconds=8 if mode == 'uneven' else 600)
 
     def feeds():
       for x_value, y_value in zip(x_data, y_data):
@@ -238,7 +241,7 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
     elif mode not in ('monitored', 'monitored_stop'):
       session = tf.compat.v1.Session(server.target, config=config)
       session.run(tf.compat.v1.global_variables_initializer())
-      session.run(barrier, options=options)
+      session.run(barrier, options=barrier_options)
       options.trace_level = tf.compat.v1.RunOptions.FULL_TRACE
       for step, feed in enumerate(feeds()):
         if mode == 'extra_read' and step == 6 and task == 0:

@@ -196,7 +196,7 @@ def test_uneven_runs_fail_within_the_timeout_instead_of_hanging(tmp_path):
   """Worker 0 makes one run with the collective options more than worker 1.
 
   That breaks the rule (the same number of such runs on every worker): the
-  options' timeout (20 s here) turns the hang it caused into
+  options' timeout (8 s here) turns the hang it caused into
   DeadlineExceededError on both workers.
   """
   start = time.time()
