@@ -177,3 +177,33 @@ def test_batch_norm_normalises_each_micro_batch_and_applies_the_mean():
   _assert_moved(before, expected)
   _assert_same_weights(actual, expected, rtol=1e-4, atol=1e-5)
   assert iterations == GRAD_STEPS
+
+
+def _embedding_model():
+  return keras.Sequential([
+      keras.layers.Embedding(50, 4, input_length=INPUT_DIM,
+                             embeddings_initializer=(
+                                 keras.initializers.RandomNormal(seed=1))),
+      keras.layers.Flatten(),
+      keras.layers.Dense(OUTPUT_DIM,
+                         kernel_initializer=keras.initializers.RandomNormal(
+                             seed=2)),
+  ])
+
+
+@pytest.mark.parametrize('name', ['Adagrad', 'Adam'])
+def test_fit_with_an_embedding_layer_matches_the_large_batch(name):
+  """Keras's Embedding gives sparse gradients: the wrapper's table path."""
+  make_optimizer = {
+      'Adagrad': lambda: tf.compat.v1.train.AdagradOptimizer(0.5),
+      'Adam': lambda: tf.compat.v1.train.AdamOptimizer(0.05)}[name]
+  rng = np.random.RandomState(0)
+  n = GRAD_STEPS * MICRO_BATCH * CYCLES_PER_EPOCH
+  data = (rng.randint(0, 50, size=(n, INPUT_DIM)),  # ids, repeats included
+          rng.randn(n, OUTPUT_DIM).astype(np.float32))
+  before, expected, _ = _fit(make_optimizer, GRAD_STEPS * MICRO_BATCH, data,
+                             make_model=_embedding_model)
+  _, actual, _ = _fit(_wrapped(make_optimizer), MICRO_BATCH, data,
+                      make_model=_embedding_model)
+  _assert_moved(before, expected)
+  _assert_same_weights(actual, expected)

@@ -26,6 +26,8 @@ What changes in a Keras script:
   batch all the same (tested).
 - Batch normalization normalises each micro-batch by its own statistics and
   updates its moving averages once per micro-batch (tested against numpy).
+- An Embedding layer's sparse gradients take the wrapper's table path
+  (tested with Adagrad and Adam against the large batch).
 
   python tools/examples/keras_fit_example.py --grad_steps=4 --epochs=5
 """
