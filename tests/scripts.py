@@ -44,6 +44,14 @@ def run_tool(script, *args):
   return result.stdout
 
 
+def largest_differences(output):
+  """Every 'largest ... difference ...: X' figure an example printed."""
+  found = [float(x) for x in re.findall(
+      r'largest [^\n]*?difference[^\n]*?: ([-+\d.e]+)', output)]
+  assert found, output
+  return found
+
+
 def loss_decrease(output):
   """(first, last) from an example's 'loss went from A to B' line."""
   match = re.search(r'loss went from ([\d.]+) to ([\d.]+)', output)

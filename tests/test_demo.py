@@ -4,8 +4,6 @@ Each example that compares itself with the large batch prints its largest
 difference; the tests hold it to float32 round-off.
 """
 
-import re
-
 import pytest
 import tensorflow as tf
 
@@ -48,14 +46,6 @@ def test_bert_porting_example_trains_like_the_large_batch():
   assert difference < 1e-4, output
 
 
-def _differences(output):
-  """Every 'largest ... difference ...: X' figure an example printed."""
-  found = [float(x) for x in re.findall(
-      r'largest [^\n]*?difference[^\n]*?: ([-+\d.e]+)', output)]
-  assert found, output
-  return found
-
-
 @run_once_per_version
 @pytest.mark.parametrize('example, flags, figures', [
     ('mirrored_example.py', ['--grad_steps=3', '--updates=4'], 1),
@@ -67,7 +57,7 @@ def _differences(output):
 ])
 def test_example_trains_like_the_large_batch(example, flags, figures):
   output = run_tool('examples/' + example, *flags)
-  differences = _differences(output)
+  differences = scripts.largest_differences(output)
   assert len(differences) == figures, output
   assert max(differences) < 1e-5, output
 

@@ -46,8 +46,9 @@ ensure_venv() {
     2.15.*) requirements="$requirements tensorflow-estimator==2.15.0" ;;
     *) extras="tf_keras==$version" ;;
   esac
+  local recorded="$requirements${extras:+ $extras}"
   venv=$cache/venv-tf$version${flavour:+-$flavour}-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-  if [ "$(cat "$venv/.requirements" 2>/dev/null)" != "$requirements${extras:+ $extras}" ]; then
+  if [ "$(cat "$venv/.requirements" 2>/dev/null)" != "$recorded" ]; then
     echo "setting up $venv (once; TensorFlow is a large download)" >&2
     rm -rf "$venv"
     "$python" -m venv "$venv" >&2 || return 1
@@ -55,7 +56,7 @@ ensure_venv() {
     if [ -n "$extras" ]; then
       "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps $extras >&2 || return 1
     fi
-    echo "$requirements${extras:+ $extras}" > "$venv/.requirements"
+    echo "$recorded" > "$venv/.requirements"
   fi
   # Install, not import from the tree: the tests then also check packaging.
   "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps \

@@ -195,8 +195,8 @@ def main(argv):
           deferred_grad.GradientAggregationOptimizer(sgd(), k), 'dynamic')))
   # The loss-scale optimizer drops the NaN micro-batch before the wrapper
   # sees it: the cycle then completes with the next micro-batch.
-  x_good, y_good = x_data[np.isfinite(y_data).all(axis=(1, 2))], y_data[
-      np.isfinite(y_data).all(axis=(1, 2))]
+  finite = np.isfinite(y_data).all(axis=(1, 2))
+  x_good, y_good = x_data[finite], y_data[finite]
   usable = len(x_good) // k * k
   expected = large_batch(x_good[:usable], y_good[:usable], k, clip=False)
   print('under a dynamic loss scale: global_step %d (the NaN micro-batch '
