@@ -2,12 +2,15 @@
 
 Each variable that receives a gradient gets an accumulator slot holding the
 sum of the cycle's micro-batch gradients divided by `grad_steps` (the
-original's scale, so that its checkpoints restore mid-cycle). The kinds
+original's scale, so that its checkpoints restore mid-cycle); under a
+`grad_steps` schedule, by the cycle's length. The kinds
 share one small interface:
 
-* `add(gradient)`: a micro-step's op adding `gradient / grad_steps`;
+* `add(gradient, divisor)`: a micro-step's op adding `gradient / divisor`
+  (a `Divisor`: grad_steps, or the cycle's length under a schedule);
 * `mark()`: run on every micro-step, added or skipped;
-* `read()`: the cycle's accumulated gradient, for the apply step;
+* `read(length)`: the cycle's accumulated gradient, for the apply step
+  (`length`: the cycle's micro-steps, an int or an int64 scalar);
 * `reset(after, read)`: empties it for the next cycle, after `after`.
 
 `DenseAccumulator` adds and zeroes in place;
@@ -98,6 +101,33 @@ def create_slot(opt, variable, dtype, owner=None):
   return slot
 
 
+class Divisor(object):
+  """What a micro-step divides each gradient by, made once per dtype.
+
+  Args:
+    value: `grad_steps` (an int), or the cycle's length under a schedule
+      (an int64 scalar, `steps.Schedule.divisor`).
+  """
+
+  def __init__(self, value):
+    self.value = value
+    self._reciprocals = {}
+
+  def reciprocal(self, dtype):
+    """1 / value as a `dtype` scalar: one op for all variables of a dtype."""
+    if isinstance(self.value, int):
+      return tf.constant(1.0 / self.value, dtype)
+    if dtype not in self._reciprocals:
+      self._reciprocals[dtype] = tf.math.reciprocal(tf.cast(self.value, dtype))
+    return self._reciprocals[dtype]
+
+  def divide(self, tensor):
+    """`tensor / value` (divided by an int, as the original did)."""
+    if isinstance(self.value, int):
+      return tensor / self.value
+    return tensor * self.reciprocal(tensor.dtype.base_dtype)
+
+
 class DenseAccumulator(object):
   """Accumulates dense gradients in place, and zeroes them in place.
 
@@ -106,12 +136,10 @@ class DenseAccumulator(object):
 
   Args:
     slot: the accumulator variable.
-    grad_steps: the number of micro-steps per cycle.
   """
 
-  def __init__(self, slot, grad_steps):
+  def __init__(self, slot):
     self.slot = slot
-    self._grad_steps = grad_steps
 
   @property
   def local(self):
@@ -127,24 +155,24 @@ class DenseAccumulator(object):
       gradient = tf.convert_to_tensor(gradient)
     return tf.cast(gradient, self.slot.dtype.base_dtype)
 
-  def add(self, gradient):
-    """accumulator += gradient / grad_steps, in place, in one kernel.
+  def add(self, gradient, divisor):
+    """accumulator += gradient / divisor, in place, in one kernel.
 
-    SGD's kernel with learning rate -1/grad_steps: no temporary, one op per
+    SGD's kernel with learning rate -1/divisor: no temporary, one op per
     variable instead of two (`tools/benchmark --suites=step`).
     """
     gradient = self._dense(gradient)
     variable = self.local
-    alpha = tf.constant(-1.0 / self._grad_steps,
-                        dtype=variable.dtype.base_dtype)
+    alpha = -divisor.reciprocal(variable.dtype.base_dtype)
     if compat.is_ref_variable(variable):
       return tf.raw_ops.ApplyGradientDescent(
           var=variable, alpha=alpha, delta=gradient).op
     return tf.raw_ops.ResourceApplyGradientDescent(
         var=variable.handle, alpha=alpha, delta=gradient)
 
-  def read(self):
-    """The cycle's accumulated gradient (a Tensor)."""
+  def read(self, length):
+    """The accumulated gradient of the cycle's `length` micro-steps."""
+    del length  # the tensor holds it all
     return self.local.read_value()
 
   def reset(self, after, gradient, shared_zeros=None):
@@ -163,23 +191,22 @@ class ShardedAccumulator(DenseAccumulator):
 
   Args:
     slot: the accumulator variable.
-    grad_steps: the number of micro-steps per cycle.
     num_partitions: `xla_num_partitions`.
   """
 
-  def __init__(self, slot, grad_steps, num_partitions):
-    super(ShardedAccumulator, self).__init__(slot, grad_steps)
+  def __init__(self, slot, num_partitions):
+    super(ShardedAccumulator, self).__init__(slot)
     self._num_partitions = num_partitions
 
-  def add(self, gradient):
-    """accumulator = sharded(accumulator) + gradient / grad_steps."""
+  def add(self, gradient, divisor):
+    """accumulator = sharded(accumulator) + gradient / divisor."""
     local = self.local
     current = sharding.shard(local.read_value(), self._num_partitions)
     return local.assign(
-        current + self._dense(gradient) / self._grad_steps, read_value=False)
+        current + divisor.divide(self._dense(gradient)), read_value=False)
 
 
-def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
+def create(opt, variable, gradient, sparse, dtype=None,
            num_partitions=None, in_xla=False, local=None, owner=None):
   """Creates `variable`'s accumulator of the kind its gradient needs.
 
@@ -187,7 +214,6 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
     opt: the wrapped optimizer, which owns the slot.
     variable: the variable.
     gradient: its gradient (a Tensor or an IndexedSlices).
-    grad_steps: micro-steps per cycle.
     sparse: accumulate an IndexedSlices gradient row by row.
     dtype: `accumulator_dtype`, or None.
     num_partitions: `xla_num_partitions`, or None.
@@ -205,21 +231,21 @@ def create(opt, variable, gradient, grad_steps, sparse, dtype=None,
   if local is not None:  # the worker's own, not a slot (see `placement`)
     dtype = dtype or variable.dtype.base_dtype
     if table:
-      return tables.RowQueueAccumulator(variable, grad_steps, dtype,
+      return tables.RowQueueAccumulator(variable, dtype,
                                         local.device)
     shape = variable.shape
     return DenseAccumulator(local.variable(
         variable.op.name + '/' + SLOT_OP_NAME,
-        lambda: zeros.run_time_zeros(shape, dtype), dtype), grad_steps)
+        lambda: zeros.run_time_zeros(shape, dtype), dtype))
   slot = create_slot(opt, variable, dtype, owner)
   if table:
-    return tables.SparseAccumulator(slot, grad_steps, num_partitions, in_xla)
+    return tables.SparseAccumulator(slot, num_partitions, in_xla)
   if num_partitions is None:
-    return DenseAccumulator(slot, grad_steps)
-  return ShardedAccumulator(slot, grad_steps, num_partitions)
+    return DenseAccumulator(slot)
+  return ShardedAccumulator(slot, num_partitions)
 
 
-def create_all(opt, grads_and_vars, grad_steps, sparse, dtype=None,
+def create_all(opt, grads_and_vars, sparse, dtype=None,
                num_partitions=None, in_xla=False, local=None, owner=None):
   """`create` for each (gradient, variable) pair; a list.
 
@@ -227,7 +253,7 @@ def create_all(opt, grads_and_vars, grad_steps, sparse, dtype=None,
   `distribute.summed_on_save`).
   """
   with distribute.summed_on_save():
-    return [create(opt, v, g, grad_steps, sparse, dtype, num_partitions,
+    return [create(opt, v, g, sparse, dtype, num_partitions,
                    in_xla, local, owner) for g, v in grads_and_vars]
 
 

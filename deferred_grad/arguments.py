@@ -30,6 +30,63 @@ def check_positive_int(value, arg_name):
   return int(value)
 
 
+_GRAD_STEPS_EXPECTED = (
+    'grad_steps must be a positive int, a scalar integer tensor or a callable '
+    'of the number of updates applied (an int64 tensor) returning one')
+
+
+def check_grad_steps(grad_steps):
+  """Returns `grad_steps` as an int, or as a schedule (a tensor or callable).
+
+  An int (also a numpy integer) keeps the original's fixed cycle; a tensor
+  or a callable is a schedule, read once per cycle (see `steps.Schedule`).
+
+  Raises:
+    TypeError: neither an int, an integer tensor nor a callable (a bool, a
+      float and a string are refused).
+    ValueError: a non-positive int, a tensor that is not a scalar, or a
+      constant tensor below 1.
+  """
+  if callable(grad_steps) and not tf.is_tensor(grad_steps):
+    return grad_steps
+  if tf.is_tensor(grad_steps):
+    return check_schedule_value(grad_steps, 'a tensor')
+  if isinstance(grad_steps, bool) or not isinstance(grad_steps,
+                                                    numbers.Integral):
+    raise TypeError('%s; got %r of type %s.' % (
+        _GRAD_STEPS_EXPECTED, grad_steps, type(grad_steps).__name__))
+  return check_positive_int(grad_steps, 'grad_steps')
+
+
+def check_schedule_value(value, source):
+  """Returns a cycle length of a `grad_steps` schedule as an int64 scalar.
+
+  Args:
+    value: what the schedule gave (a tensor, or a number from a callable).
+    source: how the value was made, for messages ('a tensor', 'the callable').
+
+  Raises:
+    TypeError: not of an integer dtype.
+    ValueError: not a scalar, or a constant below 1.
+  """
+  if isinstance(value, bool) or not (
+      tf.is_tensor(value) or isinstance(value, numbers.Integral)):
+    raise TypeError('%s; %s gave %r of type %s.' % (
+        _GRAD_STEPS_EXPECTED, source, value, type(value).__name__))
+  value = tf.convert_to_tensor(value)
+  if not value.dtype.is_integer:
+    raise TypeError('%s; %s gave a tensor of dtype %s: %r.' % (
+        _GRAD_STEPS_EXPECTED, source, value.dtype.name, value))
+  if value.shape.rank not in (None, 0):
+    raise ValueError('%s; %s gave one of shape %s: %r.' % (
+        _GRAD_STEPS_EXPECTED, source, value.shape, value))
+  constant = tf.get_static_value(value)
+  if constant is not None and constant < 1:
+    raise ValueError('%s; %s gave %d.' % (_GRAD_STEPS_EXPECTED, source,
+                                           constant))
+  return value
+
+
 def check_bool(value, arg_name):
   """Returns `value`, or raises a TypeError naming `arg_name`."""
   # A string such as 'False' is truthy: refuse it rather than guess.

@@ -2,7 +2,8 @@
 
 What a train op keeps besides its accumulators is a few scalars:
 
-* its step counter `update_count` (None where `global_step` decides);
+* its cycle (`steps`): an int's `update_count` (none where `global_step`
+  decides), or a schedule's three counters;
 * this cycle's counts on each replica, as one small vector (float32): the
   finite and the non-finite micro-batches (with a `nonfinite_policy`) and
   the sum of their weights (with `micro_batch_weight`);
@@ -15,7 +16,8 @@ turns the accumulated sum into the cycle's gradient). The non-finite
 policies differ only there, by a line each, as optax's `skip_not_finite`.
 
 The accumulators hold sum(w_i * g_i) / grad_steps (w_i = 1 without
-weights), the original's scale, so that its checkpoints restore mid-cycle.
+weights), the original's scale, so that its checkpoints restore mid-cycle;
+under a schedule, divided by the cycle's length.
 """
 
 from __future__ import absolute_import
@@ -40,22 +42,34 @@ class Rules(object):
   """The keywords that decide a cycle: plain values, fixed at construction.
 
   Args:
-    grad_steps: micro-steps per cycle.
+    grad_steps: micro-steps per cycle: an int, or a schedule (a tensor or a
+      callable, see `steps.Schedule`).
     nonfinite_policy: one of NONFINITE_POLICIES.
     aggregation: one of AGGREGATIONS.
     weighted: whether micro-steps carry a `micro_batch_weight`.
+
+  Attributes:
+    grad_steps: the int, or None under a schedule.
+    schedule: the schedule, or None for an int.
 
   Raises:
     ValueError: an unknown `nonfinite_policy` or `aggregation`.
   """
 
   def __init__(self, grad_steps, nonfinite_policy, aggregation, weighted):
-    self.grad_steps = grad_steps
+    fixed = isinstance(grad_steps, int)
+    self.grad_steps = grad_steps if fixed else None
+    self.schedule = None if fixed else grad_steps
     self.nonfinite_policy = arguments.check_choice(
         nonfinite_policy, NONFINITE_POLICIES, 'nonfinite_policy')
     self.aggregation = arguments.check_choice(aggregation, AGGREGATIONS,
                                               'aggregation')
     self.weighted = weighted
+
+  @property
+  def accumulates(self):
+    """False with grad_steps=1: each micro-step is its own cycle."""
+    return self.schedule is not None or self.grad_steps > 1
 
   @property
   def counts(self):
@@ -68,61 +82,76 @@ class TrainOpState(object):
   """One train op's variables, shared by the replicas that build it.
 
   Attributes:
-    grad_steps: micro-steps per cycle.
-    counter: its `update_count`, or None where `global_step` decides.
+    cycle: where a micro-step is in its cycle: a `steps.StepCycle` (an int
+      `grad_steps`) or `steps.Schedule`; None with grad_steps=1.
+    global_step: the `global_step` the train op counts, or None.
     counts: {name: variable} of this cycle's per-replica counts, in the
       order of `Rules.counts` (empty without accumulation).
     skipped_micro_batches, skipped_cycles: int64 totals, or None without a
       `nonfinite_policy`.
-    step_value: the step this train op's run reads before it advances it
-      (None until read; always None with grad_steps=1).
+    position: the `steps.Position` this train op's run reads before it
+      counts the micro-step (None until read, and with grad_steps=1).
   """
 
-  def __init__(self, grad_steps, counter, counts, skipped):
-    self.grad_steps = grad_steps
-    self.counter = counter
+  def __init__(self, cycle, global_step, counts, skipped):
+    self.cycle = cycle
+    self.global_step = global_step
     self.counts = counts
     self.skipped_micro_batches, self.skipped_cycles = skipped
-    self.step_value = None
+    self.position = None
 
-  def read_step(self, step, after, check=None):
-    """Reads `step` after the ops `after`; returns and keeps the value.
+  def read_position(self, after, check=None):
+    """Reads and keeps the micro-step's `steps.Position`, after `after`.
 
-    Args:
-      step: the step variable the cycle is decided on.
-      after: ops to run first (the micro-step's accumulation).
-      check: None, or `check(value, grad_steps)` returning the value checked
-        (`distribute.started_on_cycle_boundary`).
-
-    Returns:
-      The value read.
+    `check`: None, or `distribute.MidCycleRestart.check`.
     """
-    with tf.control_dependencies(after):
-      value = step.read_value()
-    self.step_value = check(value, self.grad_steps) if check else value
-    return self.step_value
+    self.position = self.cycle.read(after, check)
+    return self.position
+
+  def divisor(self):
+    """What this micro-step divides its gradients by: `steps` `divisor`."""
+    return self.cycle.divisor()
 
   def applies_update(self):
     """True when this run ends a cycle (always, with grad_steps=1)."""
-    if self.step_value is None:
+    if self.position is None:
       return tf.constant(True)
-    return steps.is_cycle_end(self.step_value, self.grad_steps)
+    return self.position.is_end
 
   def micro_step_in_cycle(self):
     """This run's place in its cycle, an int64 tensor."""
-    if self.step_value is None:
+    if self.position is None:
       return tf.constant(0, tf.int64)
-    return tf.cast(tf.math.floormod(self.step_value, self.grad_steps),
-                   tf.int64)
+    return self.position.in_cycle
+
+  def applied_updates(self):
+    """The updates this train op has applied before this run (int64).
+
+    Raises:
+      ValueError: an int `grad_steps` without a `global_step`.
+    """
+    if self.position is not None and self.position.updates is not None:
+      # Read with the position: a read of its own would race the count.
+      return self.position.updates
+    if self.global_step is None:
+      raise ValueError(
+          'applied_updates(): with an int grad_steps the updates are counted '
+          'by the global_step only, and this train op was built without one. '
+          'Pass global_step to minimize (or apply_gradients), or give '
+          'grad_steps as a schedule (a tensor or a callable), whose train op '
+          'counts its updates itself.')
+    grad_steps = 1 if self.cycle is None else self.cycle.grad_steps
+    return tf.math.floordiv(
+        tf.cast(self.global_step.read_value(), tf.int64), grad_steps)
 
   def variables(self):
-    own = [self.counter] if self.counter is not None else []
+    own = [] if self.cycle is None else self.cycle.variables()
     own += [self.counts[name] for name in sorted(self.counts)]
     return own + [v for v in (self.skipped_micro_batches, self.skipped_cycles)
                   if v is not None]
 
 
-def create(rules, accumulates, own_counter, local=None):
+def create(rules, own_counter, global_step=None, local=None):
   """Creates a train op's state variables. Call under `tf.init_scope()`.
 
   Without accumulation (grad_steps=1) a micro-step is its cycle: its counts
@@ -131,15 +160,24 @@ def create(rules, accumulates, own_counter, local=None):
 
   Args:
     rules: the `Rules`.
-    accumulates: whether cycles span several micro-steps.
-    own_counter: create `update_count` (else `global_step` decides).
+    own_counter: an int cycle counts in `update_count`, not `global_step`.
+    global_step: the global step the train op counts, or None.
     local: None (global variables), or a `placement.WorkerLocal`.
 
   Returns:
     A `TrainOpState`.
+
+  Raises:
+    ValueError: another wrapper train op counts `global_step` (see
+      `variables.count_global_step`).
   """
+  if global_step is not None:
+    # Under a schedule the train op only counts it (`steps.Schedule`).
+    variables.count_global_step(
+        global_step, rules.accumulates and rules.schedule is None)
+    distribute.plain_global_step_read(global_step)
   counts = {}
-  if accumulates:
+  if rules.accumulates:
     with distribute.summed_on_save():  # see there: saved as their sum
       for name in rules.counts:
         counts[name] = variables.own_variable(name, tf.float32, local=local)
@@ -151,39 +189,23 @@ def create(rules, accumulates, own_counter, local=None):
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             local=local)
         for name in ('skipped_micro_batches', 'skipped_cycles'))
-  counter = steps.create_counter(local) if own_counter else None
-  return TrainOpState(rules.grad_steps, counter, counts, skipped)
+  cycle = None
+  if rules.schedule is not None:
+    cycle = steps.Schedule(rules.schedule, local)
+  elif rules.accumulates:
+    cycle = steps.StepCycle(
+        rules.grad_steps, None if own_counter else global_step, local)
+  return TrainOpState(cycle, global_step, counts, skipped)
 
 
-def train_op_state(rules, replica_context, global_step, local, accumulates,
-                   own_counter):
-  """The state of the train op being built, made once for all replicas.
+def train_op_state(rules, replica_context, global_step, local, own_counter):
+  """`create`'s state, made once for all replicas (`variables.train_op_state`).
 
-  Call under `tf.init_scope()`. See `variables.train_op_state`.
-
-  Args:
-    rules: the `Rules`.
-    replica_context: the current replica context, or None.
-    global_step: the global step the train op counts, or None.
-    local: None, or a `placement.WorkerLocal`.
-    accumulates: whether cycles span several micro-steps.
-    own_counter: whether the train op counts its cycle in `update_count`.
-
-  Returns:
-    A `TrainOpState`.
-
-  Raises:
-    ValueError: another wrapper train op counts `global_step` (see
-      `variables.count_global_step`).
+  Call under `tf.init_scope()`; `replica_context` is the current one (or
+  None), the other arguments are `create`'s.
   """
-
-  def make():
-    if global_step is not None:
-      variables.count_global_step(global_step, accumulates)
-      distribute.plain_global_step_read(global_step)
-    return create(rules, accumulates, own_counter, local)
-
-  return variables.train_op_state(replica_context, make)
+  return variables.train_op_state(
+      replica_context, lambda: create(rules, own_counter, global_step, local))
 
 
 def increments(rules, finite, weight):
@@ -240,31 +262,32 @@ def should_apply(rules, totals):
   return decisions[0] if len(decisions) == 1 else tf.logical_and(*decisions)
 
 
-def scale(rules, totals, replicas):
+def scale(rules, totals, replicas, length):
   """The factor from the accumulated sum to the cycle's gradient.
 
-  As a fraction (numerator, denominator) of float32 scalars or numbers,
-  which `apply_scale` divides in each gradient's own dtype: 4/3 is then
-  exact to float64 precision in a float64 model.
+  As a fraction (numerator, denominator) of scalars or numbers, which
+  `apply_scale` divides in each gradient's own dtype: 4/3 is then exact to
+  float64 precision in a float64 model.
 
   Args:
     rules: the `Rules`.
     totals: {name: the count summed over replicas}.
     replicas: the number of replicas (a number or a float32 scalar).
+    length: the cycle's length (`steps.Position.length`).
 
   Returns:
     None (the accumulated sum is the cycle's gradient), or the fraction.
   """
+  # The accumulators hold the sum divided by the cycle's length.
   if rules.aggregation == 'sum':
-    return (rules.grad_steps, 1)
+    return (length, 1)
   if rules.weighted:
     # Each replica's loss is divided by the replicas: its share of the
     # cycle's weight is the sum over replicas divided by the replicas.
-    return (rules.grad_steps * replicas,
-            tf.maximum(totals[WEIGHT], 1e-30))
+    return (length * replicas, tf.maximum(totals[WEIGHT], 1e-30))
   if rules.nonfinite_policy == 'skip_micro_batch':
     # The mean over the finite micro-batches of every replica.
-    return (rules.grad_steps * replicas, tf.maximum(totals[GOOD], 1.0))
+    return (length * replicas, tf.maximum(totals[GOOD], 1.0))
   return None
 
 
@@ -329,27 +352,38 @@ def replica_counts(part):
   return tf.unstack(tf.stack(counts)) if counts else []
 
 
-def summed_counts(rules, distribution, part, over_tpu_cores):
-  """({name: count summed over replicas (and TPU cores)}, replicas).
+def summed_counts(rules, distribution, part, over_tpu_cores, length):
+  """({name: count summed over replicas (and TPU cores)}, replicas, checks).
 
   The cycle's one exchange between replicas besides the wrapped
-  optimizer's own all-reduce: the counts travel as one small vector.
+  optimizer's own all-reduce: the counts travel as one small vector. Under
+  a schedule whose replicas span several workers, each worker's cycle
+  length travels with them: `checks` holds the op that fails where the
+  workers disagree (their collectives would no longer match).
 
   Args:
     rules: the `Rules`.
     distribution: the strategy (in its cross-replica context), or None.
     part: the `ReplicaPart` (PerReplica under a strategy).
     over_tpu_cores: also sum over TPU cores (`apply_crs_to_grad`).
+    length: the cycle's length (`steps.Position.length`).
   """
   replicas = 1 if distribution is None else distribution.num_replicas_in_sync
-  if not rules.counts:
-    return {}, replicas
+  agree = rules.schedule is not None and distribution is not None and (
+      distribute.in_multi_worker_mode(distribution))
+  if not (rules.counts or agree):
+    return {}, replicas, []
   if distribution is None:
     counts = replica_counts(part)
   else:
-    counts = distribute.sum_over_replicas(distribution, replica_counts, part)
+    extra = [tf.cast(length, tf.float32)] if agree else []
+    counts = distribute.sum_over_replicas(
+        distribution, lambda p: replica_counts(p) + extra, part)
+  checks = []
+  if agree:
+    checks.append(distribute.check_agreed(counts.pop(), replicas, length))
   if over_tpu_cores:
     crs = tf.compat.v1.tpu.cross_replica_sum
     counts = tf.unstack(crs(tf.stack(counts)))
     replicas = replicas * crs(tf.constant(1.0))
-  return dict(zip(rules.counts, counts)), replicas
+  return dict(zip(rules.counts, counts)), replicas, checks

@@ -180,6 +180,24 @@ def sum_over_replicas(distribution, values_fn, *args):
   return tf.unstack(summed)
 
 
+def check_agreed(total, replicas, length):
+  """An op failing unless every replica's cycle has this `length`.
+
+  Args:
+    total: the sum over replicas of each one's length (float32).
+    replicas: the number of replicas.
+    length: this worker's length (int64).
+  """
+  return tf.debugging.Assert(
+      tf.equal(total, replicas * tf.cast(length, tf.float32)),
+      ['GradientAggregationOptimizer: the workers of this '
+       'MultiWorkerMirroredStrategy disagree on the cycle\'s length: '
+       'grad_steps (a schedule) gave', length, 'here, but the sum over the',
+       replicas, 'replicas is', total, '. Give grad_steps a value that is '
+       'the same on every worker: a constant, or a callable of the updates '
+       'applied (tools/examples/schedule_example.py).'])
+
+
 # graph -> the plain global-step read that `plain_global_step_read` cached.
 _PLAIN_READS = weakref.WeakKeyDictionary()
 
@@ -221,44 +239,68 @@ def plain_global_step_read(global_step):
   cached.append(read)
 
 
-def started_on_cycle_boundary(step_value, grad_steps):
-  """`step_value`, checked: a multi-worker session starts on a cycle boundary.
+class MidCycleRestart(object):
+  """Drops, on every worker alike, a cycle a session began mid-way.
 
   Under `MultiWorkerMirroredStrategy` each worker holds its own part of a
   cycle's sum, and a checkpoint holds the saving worker's part only (a save
   of all parts would be a collective the other workers do not run). A
-  session restored from a checkpoint written mid-cycle would give every
-  worker that part, and apply a wrong update without a word. So the first
-  micro-step of each session on a worker checks that the step is a
-  multiple of `grad_steps`; the session's first run is told apart by a
-  queue private to the session, which that run fills.
-
-  Args:
-    step_value: the step this micro-step read (a global step or the
-      wrapper's counter).
-    grad_steps: micro-steps per cycle.
-
-  Returns:
-    `step_value`, under that check where the replicas span several workers.
+  session restored from a checkpoint written mid-cycle (time-based saving
+  usually writes one) would give every worker that part and apply a wrong
+  update. So the first micro-step of each session checks where it is: mid-
+  cycle, it logs a warning and marks the cycle, whose apply step then only
+  resets; training goes on from the next cycle. Every worker restores the
+  same checkpoint, so every worker drops the same cycle and their
+  collectives still match. The marks live in queues private to the session,
+  which its first run fills.
   """
+
+  def __init__(self):
+    self._started = tf.queue.FIFOQueue(1, [tf.bool], shapes=[[]],
+                                       name='session_started')
+    self._dropped = tf.queue.FIFOQueue(1, [tf.bool], shapes=[[]],
+                                       name='cycle_dropped')
+
+  def check(self, in_cycle, step_value):
+    """`step_value`, after marking a session's first micro-step mid-cycle.
+
+    Args:
+      in_cycle: the micro-step's place in its cycle (0 on its first).
+      step_value: the value read of the cycle's step, returned.
+    """
+    first = tf.equal(self._started.size(), 0)
+    mid_cycle = tf.logical_and(first, tf.not_equal(in_cycle, 0))
+
+    def mark():
+      warn = tf.print(
+          'WARNING: GradientAggregationOptimizer: this session started '
+          'mid-cycle, at micro-step', in_cycle, 'of its cycle (step',
+          step_value, ') under MultiWorkerMirroredStrategy, as after '
+          'restoring a checkpoint written mid-cycle, which holds only the '
+          'saving worker\'s part of the cycle. Every worker drops this '
+          'cycle (its apply step only resets) and trains on from the next.')
+      with tf.control_dependencies([warn]):
+        return self._dropped.enqueue(True)
+
+    marked = tf.cond(mid_cycle, mark, tf.no_op)
+    with tf.control_dependencies([marked]):
+      # Fills the queue on the session's first run only (0 or 1 elements).
+      started = self._started.enqueue_many([tf.boolean_mask([True], [first])])
+    with tf.control_dependencies([started]):
+      return tf.identity(step_value)
+
+  def keeps_cycle(self, after=()):
+    """On an apply step: False if the cycle is dropped (and unmarks it).
+
+    `after`: ops to run first (see `check_agreed`).
+    """
+    with tf.control_dependencies(after):
+      taken = self._dropped.dequeue_many(self._dropped.size())
+    return tf.equal(tf.size(taken), 0)
+
+
+def mid_cycle_restart():
+  """A `MidCycleRestart` where the replicas span several workers, or None."""
   if not in_multi_worker_mode(tf.distribute.get_strategy()):
-    return step_value
-  started = tf.queue.FIFOQueue(1, [tf.bool], shapes=[[]],
-                               name='session_started')
-  first = tf.equal(started.size(), 0)
-  check = tf.debugging.Assert(
-      tf.logical_or(tf.logical_not(first), tf.equal(
-          tf.math.floormod(step_value, grad_steps), 0)),
-      ['GradientAggregationOptimizer: this session started mid-cycle, at '
-       'step', step_value, 'with grad_steps', grad_steps, 'under '
-       'MultiWorkerMirroredStrategy, as after restoring a checkpoint '
-       'written mid-cycle. Only the saving worker\'s part of that cycle was '
-       'saved, so training on would apply a wrong update. Restore a '
-       'checkpoint written at a cycle boundary (save_checkpoints_steps, '
-       'save_checkpoint_steps and max_steps or last_step multiples of '
-       'grad_steps).'])
-  with tf.control_dependencies([check]):
-    # Fills the queue on the session's first run only (0 or 1 elements).
-    mark = started.enqueue_many([tf.boolean_mask([True], [first])])
-  with tf.control_dependencies([mark]):
-    return tf.identity(step_value)
+    return None
+  return MidCycleRestart()

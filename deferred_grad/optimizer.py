@@ -2,14 +2,12 @@
 
 The algorithm reads top to bottom from `apply_gradients`: 1. the micro-step
 (`_micro_step`: check, weigh, add); 2. one decision, a `tf.cond` on the
-cycle's end (`_cycle_end`: GPU path after a `merge_call`, on the step; TPU
-path on `update_count`); 3. on the cycle's last micro-step the apply step
-(`_apply_step`: sum the cycle's counts over replicas once, decide, then on
-each replica `_apply_and_reset`); 4. advance the step. With grad_steps=1
-the micro-step is its own cycle and step 3 reads its gradients.
-
-The mechanics are one call away, called with values: `accumulators`,
-`cycle_state` (counters as data, the decisions), `numerics`, `steps`,
+cycle's end (`_cycle_end`: GPU path after a `merge_call`; TPU path in the
+replica); 3. the apply step (`_apply_step`: sum the counts over replicas
+once, decide, then `_apply_and_reset` on each replica); 4. advance. With
+grad_steps=1 the micro-step is its own cycle. The mechanics are one call
+away, called with values: `accumulators`, `cycle_state` (counts as data,
+the decisions), `steps` (where a micro-step is in its cycle), `numerics`,
 `distribute` (replica sums) and `placement` (parameter-server workers).
 """
 
@@ -43,18 +41,14 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   It accumulates the gradients of `grad_steps` micro-batches in a slot per
   variable and hands their mean to the wrapped optimizer once per cycle, so
-  that training matches one batch `grad_steps` times larger. Caveats:
-
-  * Batch statistics (e.g. batch norm) stay based on the micro-batch.
-  * `global_step` counts micro-steps, at any `grad_steps`: feed learning-rate
-    schedules `applied_updates(global_step, grad_steps)` to see updates.
-  * With `grad_steps=1` nothing is accumulated; every other keyword applies.
+  that training matches one batch `grad_steps` times larger. Batch
+  statistics stay per micro-batch; `global_step` counts micro-steps (feed
+  learning-rate schedules `applied_updates()`).
 
   Two code paths build the cycle logic, as the original's: the GPU path
   (`use_tpu=False`) decides after a `merge_call`, and each replica's
   wrapped `apply_gradients` all-reduces, so replicas talk only on apply
-  steps; the TPU path (`use_tpu=True`) decides on its `update_count`
-  without one. The module docstring walks through both.
+  steps; the TPU path (`use_tpu=True`) decides in the replica.
   """
 
   def __init__(self,
@@ -73,30 +67,28 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
     Args:
       opt: the `tf.compat.v1.train.Optimizer` that applies the mean gradient.
-      grad_steps: positive int, the number of micro-steps per update.
-      apply_crs_to_grad: bool; if True, each accumulated gradient is summed
-        across TPU replicas with `tf.compat.v1.tpu.cross_replica_sum` before
-        it is applied (TPU only).
+      grad_steps: micro-steps per update: a positive int, or a schedule (a
+        scalar integer tensor, or a callable of the updates applied, an
+        int64 tensor, returning one), read on each cycle's first micro-step.
+      apply_crs_to_grad: bool; True sums each accumulated gradient over TPU
+        cores (`tf.compat.v1.tpu.cross_replica_sum`, TPU only).
       xla_num_partitions: None, or a positive int: annotate accumulator reads
         with an XLA sharding over that many partitions (`sharding`).
       use_tpu: bool; True selects the TPU path described above.
-      sparse_as_dense: bool. False accumulates `tf.IndexedSlices` row by row
-        and hands on the rows the cycle touched; True densifies them (the
-        original's).
-      nonfinite_policy: what a micro-batch with a NaN or inf gradient does:
-        None (the original's: it poisons the update), 'skip_micro_batch'
-        (the cycle applies the mean of its finite micro-batches) or
-        'skip_cycle' (the cycle applies nothing). See `cycle_state`.
+      sparse_as_dense: bool; True densifies `tf.IndexedSlices` (the
+        original's), False accumulates and hands on the rows touched.
+      nonfinite_policy: for a NaN or inf micro-batch: None (it poisons the
+        update, the original's), 'skip_micro_batch' (the mean of the finite
+        ones) or 'skip_cycle' (the cycle applies nothing).
       accumulator_dtype: None (the variable's dtype), or a wider float dtype
         such as tf.float32 to sum half-precision gradients in.
       clip_norm: None, or a positive float: the cycle's gradient is clipped
         to this global norm (over all replicas).
       aggregation: 'mean' (the default, the original's) or 'sum': what the
         cycle applies of its micro-batch gradients. See `cycle_state`.
-      micro_batch_weight: None, or a scalar tensor (or a callable returning
-        one, called in `apply_gradients` on each replica): the micro-step's
-        weight, e.g. its token count; the cycle then applies the weighted
-        mean `sum(w_i * g_i) / sum(w_i)` (the weighted sum with 'sum').
+      micro_batch_weight: None, or a scalar tensor (or a callable, called on
+        each replica) weighing the micro-step, e.g. its token count: the
+        cycle applies `sum(w_i * g_i) / sum(w_i)` (with 'sum', the numerator).
 
     Raises:
       TypeError: `opt` is not a `tf.compat.v1.train.Optimizer`, or an argument
@@ -104,7 +96,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       ValueError: an argument has a wrong value.
     """
     arguments.check_optimizer(opt)
-    grad_steps = arguments.check_positive_int(grad_steps, 'grad_steps')
+    grad_steps = arguments.check_grad_steps(grad_steps)
     self._apply_crs_to_grad = arguments.check_bool(apply_crs_to_grad,
                                                    'apply_crs_to_grad')
     self._use_tpu = arguments.check_bool(use_tpu, 'use_tpu')
@@ -130,7 +122,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   @property
   def grad_steps(self):
-    """The number of micro-steps per applied update."""
+    """The number of micro-steps per applied update (an int or a schedule)."""
     return self._grad_steps
 
   @property
@@ -149,10 +141,10 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def applies_update(self):
     """A boolean tensor: True when this run of the train op ends a cycle.
 
-    Fetch it with the train op (it is the step the train op reads, before
-    it counts the micro-step), or use it in the graph, e.g. for summaries on
-    apply steps only. That of the train op built last. With a
-    `nonfinite_policy` a cycle may end applying nothing (`skipped_cycles`).
+    Fetch it with the train op (it is what the run reads before it counts
+    the micro-step), or use it in the graph (summaries on apply steps). That
+    of the train op built last; with a `nonfinite_policy` a cycle may end
+    applying nothing (`skipped_cycles`).
 
     Raises:
       ValueError: no train op has been built yet.
@@ -162,6 +154,19 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def micro_step_in_cycle(self):
     """An int64 tensor: this run's place in its cycle (see applies_update)."""
     return self._last_state().micro_step_in_cycle()
+
+  def applied_updates(self):
+    """An int64 tensor: the updates the last train op applied before a run.
+
+    For learning-rate schedules, in place of `global_step` (which counts
+    micro-steps), through a callable learning rate, called when the train op
+    is built: `learning_rate=lambda: schedule(opt.applied_updates())`.
+
+    Raises:
+      ValueError: no train op has been built yet, or an int `grad_steps`
+        and a train op built without a `global_step`.
+    """
+    return self._last_state().applied_updates()
 
   def _last_state(self):  # that of the train op built last
     if not self._states:
@@ -182,9 +187,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     Args:
       grads_and_vars: list of (gradient, variable) pairs, as returned by
         `compute_gradients`. Pairs whose gradient is None are skipped.
-      global_step: optional integer `Variable`, incremented once per call
-        (micro-step) by the wrapper, whatever the wrapped optimizer does with
-        one. Without it the wrapper counts micro-steps itself.
+      global_step: optional integer `Variable`, which the wrapper increments
+        once per call (micro-step).
       name: optional name for the returned op; all ops made here live under
         this name scope (default: the optimizer's name).
 
@@ -192,9 +196,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       An op that runs one micro-step.
 
     Raises:
-      TypeError, ValueError, RuntimeError: see
-        `arguments.check_apply_gradients`; and ValueError: `global_step` is
-        counted by another train op of a wrapper in this graph.
+      TypeError, ValueError, RuntimeError: see `check_apply_gradients` and
+        `variables.count_global_step`.
     """
     replica_context = tf.distribute.get_replica_context()
     present = arguments.check_apply_gradients(
@@ -202,9 +205,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         self._apply_crs_to_grad)
     var_list = [v for _, v in present]
     # With grad_steps=1 the micro-step is its cycle: nothing accumulates.
-    accumulates = self._grad_steps > 1  # decided here, once
-    # Where the wrapped optimizer's non-slot variables go: found before this
-    # method opens its own name scope, so that `name` changes op names only.
+    accumulates = self._rules.accumulates  # decided here, once
+    # Where the wrapped optimizer's non-slot variables go, found before the
+    # name scope opens: `name` changes op names only.
     wrapped_vars_scope = checkpoints.wrapped_vars_scope(accumulates)
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
     with tf.compat.v1.name_scope(name, self._name) as scope:
@@ -216,12 +219,12 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       accumulators = None
       with tf.init_scope():
         state = cycle_state.train_op_state(
-            self._rules, replica_context, global_step, local, accumulates,
-            own_counter=accumulates and (
-                self._use_tpu or global_step is None or local is not None))
+            self._rules, replica_context, global_step, local,
+            own_counter=self._use_tpu or global_step is None or (
+                local is not None))
         if accumulates:  # each train op its own (see accumulators)
           accumulators = accumulators_lib.create_all(
-              self._opt, present, self._grad_steps, sparse,
+              self._opt, present, sparse,
               self._accumulator_dtype, self._xla_num_partitions, in_xla,
               local, owner=state)
       if not any(state is own for own in self._states):
@@ -232,18 +235,14 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
           part, [g for g, _ in present], weight, sparse,
           placement.initialized_check(local, state.variables()) +
           arguments.check_weight_value(weight, self._rules.nonfinite_policy))
-      # The cycle is decided on the wrapper's own counter if it has one,
-      # else on the global step the train op counts.
-      step = global_step if state.counter is None else state.counter
-      also = global_step if step is not global_step else None
       if self._use_tpu:
         checkpoints.create_wrapped_slots(self._opt, var_list,
                                            wrapped_vars_scope)
-        return self._cycle_end(None, [accumulate], part, step, also)
+        return self._cycle_end(None, [accumulate], part)
     # The original's GPU path: merge_call outside tf.cond.
     return replica_context.merge_call(
         self._cycle_end_across_replicas,
-        args=(accumulate, part, step, also, wrapped_vars_scope, scope))
+        args=(accumulate, part, wrapped_vars_scope, scope))
 
   # -------------------------------------------------------- the algorithm --
 
@@ -251,8 +250,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """1. This replica's micro-step: check, weigh, add. Returns its op.
 
     `checks` run before anything is added. Without accumulators, `part`
-    keeps the weighed gradients and counts for the apply step.
-    """
+    keeps the weighed gradients and counts for the apply step."""
     rules = self._rules
     finite = None
     if rules.nonfinite_policy:
@@ -264,8 +262,10 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       part.keep_micro_step(gradients, counts, sparse)
       return tf.group(*checks)  # the apply step runs after it
 
+    divisor = accumulators_lib.Divisor(part.state.divisor())  # see steps
+
     def add():
-      adds = [a.add(g) for a, g in zip(part.accumulators, gradients)]
+      adds = [a.add(g, divisor) for a, g in zip(part.accumulators, gradients)]
       return tf.group(*adds, name='accumulate')
 
     with tf.control_dependencies(checks):
@@ -277,8 +277,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     marks = [a.mark() for a in part.accumulators]
     return tf.group(added, *(counted + marks))
 
-  def _cycle_end_across_replicas(self, distribution, accumulate, part, step,
-                                 also, wrapped_vars_scope, scope):
+  def _cycle_end_across_replicas(self, distribution, accumulate, part,
+                                 wrapped_vars_scope, scope):
     """The GPU path's `merge_call`: `_cycle_end` in cross-replica context."""
     first = lambda value: distribute.first_replica(distribution, value)
     wrapped_vars_scope = tuple(first(p) for p in wrapped_vars_scope)
@@ -287,79 +287,82 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     with tf.compat.v1.name_scope(first(scope)):
       return self._cycle_end(
           distribution, distribution.experimental_local_results(accumulate),
-          part, step, also)
+          part)
 
-  def _cycle_end(self, distribution, accumulate, part, step, also):
+  def _cycle_end(self, distribution, accumulate, part):
     """2. The decision: the apply step on the cycle's last micro-step.
 
-    Args:
-      distribution: the strategy (GPU path), or None (TPU path).
-      accumulate: the micro-step's ops, one per replica.
-      part: the `cycle_state.ReplicaPart` (PerReplica under a strategy).
-      step: the step the cycle is decided on, or None (grad_steps=1).
-      also: None, or a global step counted beside `step`.
-
-    Returns:
-      The op of one micro-step.
+    `distribution`: the strategy (GPU path) or None (TPU path); `accumulate`
+    the micro-step's ops, one per replica; `part` the `ReplicaPart`
+    (PerReplica under a strategy). Returns the micro-step's op.
     """
-    first = distribute.first_replica(distribution, part)
-    state, grad_steps = first.state, self._grad_steps
+    state = distribute.first_replica(distribution, part).state
+    cycle = state.cycle
+    if cycle is None:  # grad_steps=1: every micro-step applies
+      with tf.control_dependencies(accumulate):
+        done = self._apply_step(distribution, part, None)
+    else:
+      # Under a multi-worker strategy, a session begun mid-cycle drops it.
+      restart = distribute.mid_cycle_restart()
+      position = state.read_position(accumulate, restart and restart.check)
 
-    def apply_and_advance():
-      applied = self._apply_step(distribution, part)
-      if step is None:
-        return applied
-      with tf.control_dependencies([applied]):
-        return steps.advance(step, state.step_value, grad_steps,
-                             step is state.counter)
+      def apply_and_advance():
+        applied = self._apply_step(distribution, part, position, restart)
+        with tf.control_dependencies([applied]):
+          return cycle.advance(position)
 
-    if first.accumulators is None:
-      with tf.control_dependencies(accumulate):  # every micro-step applies
-        return apply_and_advance()
-    step_value = state.read_step(step, accumulate, None if (
-        distribution is None) else distribute.started_on_cycle_boundary)
-    # Both branches advance the step: its read is ordered before its write.
-    done = lazy_cond.cond(
-        steps.is_cycle_end(step_value, grad_steps), apply_and_advance,
-        lambda: steps.advance(step, step_value, grad_steps,
-                              step is state.counter))
-    if also is None:
+      # Both branches advance: the cycle's read precedes its write.
+      done = lazy_cond.cond(position.is_end, apply_and_advance,
+                            lambda: cycle.advance(position))
+    if state.global_step is None or (cycle and cycle.counts_global_step):
       return done
-    with tf.control_dependencies([done]):
-      return steps.advance(also, None, grad_steps, False)
+    with tf.control_dependencies([done]):  # counted beside the cycle
+      return steps.count_on(state.global_step)
 
-  def _apply_step(self, distribution, part):
-    """3. Sum the counts over replicas, decide, apply and reset on each."""
+  def _apply_step(self, distribution, part, position, restart=None):
+    """3. Sum the counts over replicas, decide, apply and reset on each.
+
+    `position` is the cycle's last micro-step's (None with grad_steps=1);
+    `restart` a `distribute.MidCycleRestart`, or None.
+    """
     rules = self._rules
     state = distribute.first_replica(distribution, part).state
-    totals, replicas = cycle_state.summed_counts(
-        rules, distribution, part, self._apply_crs_to_grad)
-    fraction = cycle_state.scale(rules, totals, replicas)
-    apply_now = cycle_state.should_apply(rules, totals)
+    length = rules.grad_steps if position is None else position.length
+    # `checks`: under a multi-worker schedule, that the lengths agree.
+    totals, replicas, checks = cycle_state.summed_counts(
+        rules, distribution, part, self._apply_crs_to_grad, length)
+    fraction = cycle_state.scale(rules, totals, replicas, length)
+    policy = cycle_state.should_apply(rules, totals)  # None: always
+    apply_now = policy
+    if restart is not None:  # multi-worker: False on a cycle begun mid-way
+      kept = restart.keeps_cycle(after=checks)
+      apply_now = kept if policy is None else tf.logical_and(policy, kept)
     if apply_now is None:
-      return self._on_each_replica(distribution, part, True, fraction)
+      return self._on_each_replica(distribution, part, length, fraction)
     applied = lazy_cond.cond(
         apply_now,
-        lambda: self._on_each_replica(distribution, part, True, fraction),
-        lambda: self._on_each_replica(distribution, part, False, None))
+        lambda: self._on_each_replica(distribution, part, length, fraction),
+        lambda: self._on_each_replica(distribution, part, length, None,
+                                      apply=False))
     with tf.control_dependencies([applied]):
       return tf.group(applied,
-                      *cycle_state.count_skipped(state, totals, apply_now))
+                      *cycle_state.count_skipped(state, totals, policy))
 
-  def _on_each_replica(self, distribution, part, apply, fraction):
+  def _on_each_replica(self, distribution, part, length, fraction,
+                       apply=True):
     if distribution is None:  # the TPU path: this replica
-      return self._apply_and_reset(part, apply, fraction)
+      return self._apply_and_reset(part, length, fraction, apply)
     return distribution.group(distribution.extended.call_for_each_replica(
-        lambda p: self._apply_and_reset(p, apply, fraction), args=(part,)))
+        lambda p: self._apply_and_reset(p, length, fraction, apply),
+        args=(part,)))
 
-  def _apply_and_reset(self, part, apply, fraction):
+  def _apply_and_reset(self, part, length, fraction, apply):
     """On one replica: applies the cycle's gradient (if `apply`), resets.
 
-    `fraction` (see `cycle_state.scale`) scales the accumulated sum to the
-    cycle's gradient; a cycle that applies nothing (`apply` False) resets.
-    """
+    `fraction` (`cycle_state.scale`) turns the sum of the cycle's `length`
+    micro-steps into the cycle's gradient."""
     read = part.gradients if part.accumulators is None else [
-        a.read() for a in part.accumulators]
+        a.read(length) for a in part.accumulators]
     done = tf.no_op()
     if apply:
       grads = read
@@ -388,8 +391,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     return self._opt.get_slot_names(*args, **kwargs)
 
   def variables(self):
-    """The wrapped optimizer's variables and the wrapper's own counters,
-    those of the current graph, sorted by name."""
+    """The wrapped optimizer's and the wrapper's variables (this graph's)."""
     variables = list(self._opt.variables())
     graph = tf.compat.v1.get_default_graph()
     for state in self._states:

@@ -53,7 +53,7 @@ class SparseAccumulator(object):
   The queue is neither a variable nor in a checkpoint: the original's
   checkpoints restore, and no initializer is needed. A session that has not
   seen a whole cycle (one restored from a checkpoint mid-cycle) finds fewer
-  markers than `grad_steps` and falls back, once, to a full read: the rows
+  markers than the cycle's length and falls back, once, to a full read: the rows
   whose accumulated gradient is not zero and those it recorded (a row
   touched only before the restore and summing to exactly zero is then left
   out).
@@ -66,14 +66,12 @@ class SparseAccumulator(object):
 
   Args:
     slot: the accumulator variable.
-    grad_steps: the number of micro-steps per cycle.
     num_partitions: `xla_num_partitions`, for full reads.
     in_xla: built inside an XLA computation (no queue; a dense hand-off).
   """
 
-  def __init__(self, slot, grad_steps, num_partitions=None, in_xla=False):
+  def __init__(self, slot, num_partitions=None, in_xla=False):
     self.slot = slot
-    self._grad_steps = grad_steps
     self._num_partitions = num_partitions
     self._rows = None
     # The record of row ids, and the work on it, stay on the host: queues
@@ -88,15 +86,15 @@ class SparseAccumulator(object):
     """This replica's component of the slot (the slot itself without one)."""
     return compat.local_variable(self.slot)
 
-  def add(self, gradient):
-    """Scatter-adds the rows looked up, and records them.
+  def add(self, gradient, divisor):
+    """Scatter-adds the rows looked up (/ `divisor`), and records them.
 
     The cost does not grow with the table.
     """
     dtype = self.slot.dtype.base_dtype
     added = self.local.scatter_add(
         tf.IndexedSlices(
-            tf.cast(gradient.values, dtype) / self._grad_steps,
+            divisor.divide(tf.cast(gradient.values, dtype)),
             gradient.indices))
     if self._rows is None:
       return added
@@ -111,7 +109,7 @@ class SparseAccumulator(object):
     with tf.device(self._host):
       return self._rows.enqueue(tf.constant(-1, tf.int64))
 
-  def read(self):
+  def read(self, length):
     """The accumulated gradient: IndexedSlices over the touched rows.
 
     (Inside XLA: the dense accumulator.)
@@ -123,8 +121,8 @@ class SparseAccumulator(object):
       is_row = recorded >= 0
       rows, _ = tf.unique(tf.boolean_mask(recorded, is_row))
       complete = tf.greater_equal(
-          tf.reduce_sum(tf.cast(tf.logical_not(is_row), tf.int32)),
-          self._grad_steps)
+          tf.reduce_sum(tf.cast(tf.logical_not(is_row), tf.int64)),
+          tf.cast(length, tf.int64))
 
     def from_record():
       return tf.gather(self.local, rows), rows
@@ -169,7 +167,7 @@ class RowQueueAccumulator(object):
   A worker-local copy of a table as large as the table (on every worker) is
   what the dense kind and `SparseAccumulator` would need; this one holds only the rows
   the cycle looked up: each micro-step enqueues its ids and rows (divided by
-  `grad_steps`) in a queue on the worker, and the apply step takes them all,
+  the cycle's length) in a queue on the worker, and the apply step takes them all,
   adds up the rows of equal ids and hands on an `IndexedSlices` over every
   id touched. Memory and time O(rows looked up per cycle); nothing goes to
   the parameter servers before the apply step. The queue is not saved:
@@ -177,13 +175,11 @@ class RowQueueAccumulator(object):
 
   Args:
     variable: the table (or one partition of it).
-    grad_steps: micro-steps per cycle.
     dtype: the accumulator's dtype.
     device: the worker's device.
   """
 
-  def __init__(self, variable, grad_steps, dtype, device):
-    self._grad_steps = grad_steps
+  def __init__(self, variable, dtype, device):
     self._dtype = dtype
     self._dense_shape = variable.shape
     # On the worker's CPU, also under a GPU worker device: queues have no
@@ -195,17 +191,18 @@ class RowQueueAccumulator(object):
   def mark(self):
     return tf.no_op()
 
-  def add(self, gradient):
-    """Enqueues the micro-step's rows / grad_steps, with their ids."""
+  def add(self, gradient, divisor):
+    """Enqueues the micro-step's rows / `divisor`, with their ids."""
     if not isinstance(gradient, tf.IndexedSlices):
       raise ValueError('a table on a parameter server got a dense gradient '
                        '(%s); expected an IndexedSlices.' % (gradient,))
     return self._queue.enqueue_many([
         _ids(gradient),
-        tf.cast(gradient.values, self._dtype) / self._grad_steps])
+        divisor.divide(tf.cast(gradient.values, self._dtype))])
 
-  def read(self):
+  def read(self, length):
     """The cycle's rows, those of equal ids added up, as IndexedSlices."""
+    del length  # the queue holds the cycle's rows
     ids, rows = self._queue.dequeue_many(self._queue.size())
     unique, positions = tf.unique(ids)
     summed = tf.math.unsorted_segment_sum(rows, positions, tf.size(unique))

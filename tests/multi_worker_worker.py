@@ -13,7 +13,11 @@ run with the collective options than worker 1 (a mistake: it must fail within
 the options' timeout, not hang); 'monitored_resume': MonitoredTrainingSession
 stopped at a cycle boundary and started again on the same checkpoint_dir,
 which only worker 0 writes; 'monitored_resume_mid': the same stopped
-mid-cycle (a mistake: the restored session must refuse to train). Each
+mid-cycle (both workers must drop that cycle, and train on);
+'schedule': a raw Session with grad_steps a callable of the updates
+applied, SCHEDULE (cycles of 2, 3 and 4 micro-steps); 'schedule_disagree':
+worker k's grad_steps is tf.constant(2 + k) (a mistake: both must fail
+within the options' timeout, not train on). Each
 worker feeds
 its half of every micro-batch and writes its final weights (and, with a raw
 Session, the executed collectives per micro-step) to OUTPUT.npz.
@@ -39,6 +43,12 @@ WORKERS = 2
 GRAD_STEPS = 3
 BAD_STEP, BAD_TASK = 4, 1  # the second micro-step of the second cycle
 POLICIES = ('skip_micro_batch', 'skip_cycle')
+SCHEDULE_LENGTHS = (2, 3, 4)  # CYCLES * GRAD_STEPS micro-steps in all
+
+
+def schedule(updates):
+  """The 'schedule' mode's grad_steps: the same on every worker."""
+  return updates + SCHEDULE_LENGTHS[0]
 # Trainings per worker process (tools/soak raises it).
 REPEATS = int(os.environ.get('DEFERRED_GRAD_SOAK_REPEATS', 1))
 
@@ -119,7 +129,7 @@ def estimator_main(output):
       tf.estimator.EvalSpec(input_fn, steps=1))
 
 
-def _build(strategy, policy=None):
+def _build(strategy, policy=None, grad_steps=GRAD_STEPS):
   """The model and its train op, under `strategy.scope()` in a new graph.
 
   Returns:
@@ -129,7 +139,7 @@ def _build(strategy, policy=None):
   x = tf.compat.v1.placeholder(tf.float32, [None, models.INPUT_DIM])
   y = tf.compat.v1.placeholder(tf.float32, [None, models.OUTPUT_DIM])
   optimizer = deferred_grad.GradientAggregationOptimizer(
-      models.OPTIMIZERS['Momentum'](None), GRAD_STEPS,
+      models.OPTIMIZERS['Momentum'](None), grad_steps,
       nonfinite_policy=policy)
   variables = {}
 
@@ -196,8 +206,8 @@ def main(output, mode, delay):
       config=config, start=True)
   # A soak repeats the training in this process (fresh graphs and sessions
   # on the same servers); every repeat must end with the same weights.
-  repeats = (1 if mode in ('uneven', 'estimator', 'monitored_resume_mid')
-             else REPEATS)
+  repeats = (1 if mode in ('uneven', 'estimator', 'monitored_resume_mid',
+                           'schedule_disagree') else REPEATS)
   first = None
   for repeat in range(repeats):
     weights, collectives = _train(strategy, server, config, task, mode,
@@ -220,14 +230,17 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
   if policy and task == BAD_TASK:
     y_data[BAD_STEP, 0, 0] = np.nan
   with tf.Graph().as_default(), strategy.scope():
-    global_step, x, y, variables, train_op, optimizer = _build(strategy,
-                                                               policy)
+    global_step, x, y, variables, train_op, optimizer = _build(
+        strategy, policy, {
+            'schedule': schedule,
+            'schedule_disagree': lambda _: tf.constant(2 + task, tf.int64),
+        }.get(mode, GRAD_STEPS))
     barrier = deferred_grad.collective_barrier(strategy)
     # The first barrier waits for a late worker; 'uneven' bounds the runs
     # after it by 8 s, which its refused run must reach.
     barrier_options = deferred_grad.collective_run_options()
     options = deferred_grad.collective_run_options(
-        timeout_seconds=8 if mode == 'uneven' else 600)
+        timeout_seconds=8 if mode in ('uneven', 'schedule_disagree') else 600)
 
     def feeds():
       for x_value, y_value in zip(x_data, y_data):
@@ -282,7 +295,9 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
             session.run(train_op, feed, options=options)
       weights = final.weights
   if mode.startswith('monitored_resume'):
-    stop = 2 * GRAD_STEPS + (mode == 'monitored_resume_mid')
+    # Mid-cycle: one micro-step into the second cycle, which both workers
+    # then drop.
+    stop = GRAD_STEPS + 1 if mode == 'monitored_resume_mid' else 2 * GRAD_STEPS
     weights = _monitored_resume(strategy, server, config, task, x_data, y_data,
                                 checkpoint_dir, stop)
   return weights, collectives

@@ -54,6 +54,7 @@ def test_bert_porting_example_trains_like_the_large_batch():
     ('xla_example.py', ['--grad_steps=3', '--updates=4'], 1),
     ('numerics_example.py', ['--grad_steps=3', '--updates=5'], 2),
     ('monitored_session_example.py', ['--grad_steps=3', '--updates=4'], 1),
+    ('schedule_example.py', ['--micro_batch=64', '--updates_per=2'], 1),
 ])
 def test_example_trains_like_the_large_batch(example, flags, figures):
   output = run_tool('examples/' + example, *flags)

@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 import models
+import multi_worker_worker
 import scripts
 import training
 from models import make_data
@@ -148,6 +149,31 @@ def test_workers_train_like_one_large_batch(tmp_path, mode, delays):
     assert_same_training([weights], [expected])
 
 
+def test_workers_follow_one_schedule(tmp_path):
+  """grad_steps a callable of the updates: cycles of 2, 3 and 4 micro-steps
+  on both workers, each the large batch of its micro-batches; collectives
+  on the apply steps only."""
+  lengths = multi_worker_worker.SCHEDULE_LENGTHS
+  rows = WORKERS * models.MICRO_BATCH  # a micro-step's, both workers'
+  x, y = [part.reshape((-1,) + part.shape[2:]) for part in make_data(
+      models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)]
+  trainer = training.Trainer(models.OPTIMIZERS['Momentum'])
+  with trainer.session() as session:
+    start = 0
+    for length in lengths:
+      end = start + length * rows
+      trainer.micro_step(session, x[start:end], y[start:end])
+      start = end
+    expected = session.run(trainer.variables)
+  ends = np.cumsum(lengths) - 1
+  for weights in _run_workers(tmp_path, 'schedule', [0, 0]):
+    counts = weights.pop('collectives')
+    apply_steps = np.isin(np.arange(len(counts)), ends)
+    assert np.all(counts[~apply_steps] == 0), counts
+    assert np.all(counts[apply_steps] >= 1), counts
+    assert_same_training([weights], [expected])
+
+
 def test_collectives_run_only_on_apply_steps(tmp_path):
   """Accumulate-only micro-steps send nothing between workers."""
   for weights in _run_workers(tmp_path, 'session', [0, 0]):
@@ -207,13 +233,38 @@ def test_uneven_runs_fail_within_the_timeout_instead_of_hanging(tmp_path):
   assert time.time() - start < WORKER_TIMEOUT
 
 
-def test_resume_mid_cycle_refuses_to_train(tmp_path):
+def test_workers_with_different_schedules_fail_instead_of_training(tmp_path):
+  """Worker k's cycles are 2 + k micro-steps: their apply steps no longer
+  meet. Both must fail (the lengths' check, or the options' timeout)."""
+  start = time.time()
+  for returncode, log in _run_workers(tmp_path, 'schedule_disagree', [0, 0],
+                                      check=False):
+    assert returncode != 0, log[-3000:]
+    assert ('disagree on the cycle' in log or
+            'DeadlineExceededError' in log), log[-3000:]
+  assert time.time() - start < WORKER_TIMEOUT
+
+
+def test_resume_mid_cycle_drops_that_cycle_on_every_worker(tmp_path):
   """A checkpoint written mid-cycle holds only the saving worker's part.
 
-  Restored, it must stop both workers at their first micro-step with an
-  error that says so, not train on with a wrong update.
+  Restored one micro-step into the second cycle, both workers warn, drop
+  that cycle (the micro-batch before the restart and those after it) and
+  train on: the weights are the large batch's of cycles 1 and 3.
   """
-  for returncode, log in _run_workers(tmp_path, 'monitored_resume_mid',
-                                      [0, 0], check=False):
-    assert returncode != 0, log[-3000:]
-    assert 'this session started mid-cycle, at step' in log, log[-3000:]
+  x, y = make_data(models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
+  trainer = training.Trainer(models.OPTIMIZERS['Momentum'])
+  with trainer.session() as session:
+    for cycle in (0, 2):
+      trainer.micro_step(session, x[cycle], y[cycle])
+    expected = session.run(trainer.variables)
+  results = _run_workers(tmp_path, 'monitored_resume_mid', [0, 0],
+                         check=False)
+  for index, (returncode, log) in enumerate(results):
+    assert returncode == 0, log[-3000:]
+    assert 'this session started mid-cycle, at micro-step 1' in log, (
+        log[-3000:])
+    weights = dict(np.load(os.path.join(str(tmp_path),
+                                        'worker%d.npz' % index)))
+    weights.pop('collectives')
+    assert_same_training([weights], [expected])

@@ -81,7 +81,7 @@ def _size(workers):
 
 def identifiable_model(index, size, ps_tasks, use_tpu, table,
                        queue_name='updates', policy=None, poison=-1,
-                       weighted=False):
+                       weighted=False, grad_steps=K):
   """The model of the module docstring, built under the caller's devices.
 
   Args:
@@ -94,6 +94,7 @@ def identifiable_model(index, size, ps_tasks, use_tpu, table,
     policy: the wrapper's `nonfinite_policy`.
     poison: the micro-batch whose gradient is NaN (-1: none).
     weighted: weigh micro-batch i by `_weight(i)` (`micro_batch_weight`).
+    grad_steps: the wrapper's (an int or a schedule).
 
   Returns:
     (loss, the wrapper, the queue on ps 0 where each update is recorded).
@@ -114,7 +115,7 @@ def identifiable_model(index, size, ps_tasks, use_tpu, table,
     queue = tf.queue.FIFOQueue(1000, [tf.float32], shapes=[[size]],
                                shared_name=queue_name, name='updates')
   opt = deferred_grad.GradientAggregationOptimizer(
-      _Recording(queue), K, use_tpu=use_tpu, nonfinite_policy=policy,
+      _Recording(queue), grad_steps, use_tpu=use_tpu, nonfinite_policy=policy,
       micro_batch_weight=_weight(index) if weighted else None)
   return loss, opt, queue
 
@@ -124,7 +125,7 @@ def _weight(index):
 
 
 def _build(run, task, workers, ps_tasks, use_tpu, table, policy=None,
-           poison=-1, weighted=False):
+           poison=-1, weighted=False, grad_steps=K):
   """Builds worker `task`'s graph; returns what the worker and test need."""
   setter = tf.compat.v1.train.replica_device_setter(
       ps_tasks=ps_tasks, worker_device='/job:worker/task:%d' % task)
@@ -135,7 +136,7 @@ def _build(run, task, workers, ps_tasks, use_tpu, table, policy=None,
     loss, opt, queue = identifiable_model(index, _size(workers), ps_tasks,
                                           use_tpu, table,
                                           'run%d_updates' % run, policy,
-                                          poison, weighted)
+                                          poison, weighted, grad_steps)
     train_op = opt.minimize(loss, global_step=global_step)
   by_name = {v.op.name[len(scope.name) + 1:]: v
              for v in tf.compat.v1.global_variables()}
@@ -174,7 +175,8 @@ class _AbortOnce(tf.compat.v1.train.SessionRunHook):
 
 
 def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
-           policy=None, poison=-1, weighted=False, abort_at=None):
+           policy=None, poison=-1, weighted=False, abort_at=None,
+           grad_steps=K):
   """Trains `workers` threads; returns the final state seen from the ps.
 
   Returns:
@@ -192,7 +194,7 @@ def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
     try:
       with tf.Graph().as_default():
         built = _build(run, task, workers, ps_tasks, use_tpu, table, policy,
-                       poison, weighted)
+                       poison, weighted, grad_steps)
         local_variables[task] = tf.compat.v1.local_variables()
         target = worker_servers[task].target
         if monitored:
@@ -339,6 +341,42 @@ def test_partitioned_table_without_a_table_copy_per_worker(cluster, use_tpu):
   for variables in local_variables.values():
     assert all(v.shape.num_elements() <= _size(2) for v in variables), (
         [(v.name, v.shape) for v in variables])
+
+
+def test_each_worker_follows_its_own_schedule(cluster, use_tpu):
+  """grad_steps a callable of the worker's own updates: 2, 4, 2, 4.
+
+  Each update holds one worker's next block of that many micro-batches,
+  each weighted 1/length; the table's rows with them.
+  """
+  def schedule(updates):
+    return 2 + 2 * (updates % 2)
+
+  blocks = [(0, 2), (2, 6), (6, 8), (8, 12)]  # of each worker's 12
+  for _ in range(REPEATS):
+    updates, state, _, _ = _train(cluster, 2, 2, use_tpu, monitored=False,
+                                  table=True, grad_steps=schedule)
+    expected = []
+    for task in range(2):
+      for start, end in blocks:
+        update = np.zeros(_size(2))
+        offset = task * MICRO_BATCHES
+        update[offset + start:offset + end] = 1.0 / (end - start)
+        expected.append(update)
+    # The workers' updates interleave in any order; each worker's in turn.
+    key = lambda u: tuple(np.flatnonzero(u))
+    assert sorted(map(key, updates)) == sorted(map(key, expected))
+    for task in range(2):
+      own = [u for u in updates
+             if np.flatnonzero(u)[0] // MICRO_BATCHES == task]
+      np.testing.assert_array_equal(own, expected[4 * task:4 * task + 4])
+    global_step, w, w2, table = state
+    assert global_step == _size(2)
+    applied = -np.sum(expected, axis=0)
+    np.testing.assert_allclose(w, applied, rtol=1e-6)
+    np.testing.assert_allclose(w2, 2 * applied, rtol=1e-6)
+    np.testing.assert_allclose(table, applied[:, None] * [[2.0, 6.0]],
+                               rtol=1e-6)
 
 
 @pytest.mark.parametrize('policy', ['skip_cycle', 'skip_micro_batch'])

@@ -34,8 +34,28 @@ pytestmark = pytest.mark.skipif(
 GRAD_STEPS = 3
 
 
-def _train_compiled(make_optimizer, data, model='mlp', **wrapper_kwargs):
-  """Trains with every micro-step one XLA-compiled computation."""
+def _train_compiled(make_optimizer, data, model='mlp', grad_steps=GRAD_STEPS,
+                    cycles=None, **wrapper_kwargs):
+  """Trains with every micro-step one XLA-compiled computation.
+
+  Args:
+    make_optimizer: factory of the wrapped optimizer (see models.OPTIMIZERS).
+    data: whole cycles of inputs, split into GRAD_STEPS micro-batches each;
+      unused where `cycles` is given.
+    model: a key of models.MODELS.
+    grad_steps: the wrapper's (an int or a schedule).
+    cycles: None, or each cycle's micro-batches (lists of inputs).
+    **wrapper_kwargs: passed to the wrapper.
+
+  Returns:
+    The weights after each cycle.
+  """
+  if cycles is None:
+    cycles = []
+    for batch in zip(*data):
+      micro = len(batch[0]) // GRAD_STEPS
+      cycles.append([[part[k * micro:(k + 1) * micro] for part in batch]
+                     for k in range(GRAD_STEPS)])
   graph = tf.Graph()
   with graph.as_default():
     _, input_specs, loss_fn = models.MODELS[model]
@@ -50,21 +70,18 @@ def _train_compiled(make_optimizer, data, model='mlp', **wrapper_kwargs):
       optimizer = deferred_grad.GradientAggregationOptimizer(
           make_optimizer(deferred_grad.applied_updates(global_step,
                                                        GRAD_STEPS)),
-          GRAD_STEPS, **wrapper_kwargs)
+          grad_steps, **wrapper_kwargs)
       return optimizer.minimize(loss, global_step=global_step)
 
     compiled = xla.compile(step, inputs=inputs)
     with tf.compat.v1.Session() as session:
       session.run(tf.compat.v1.global_variables_initializer())
       snapshots = []
-      for batch in zip(*data):
-        micro = len(batch[0]) // GRAD_STEPS
-        for k in range(GRAD_STEPS):
-          rows = slice(k * micro, (k + 1) * micro)
-          session.run(compiled, dict(zip(inputs,
-                                         [part[rows] for part in batch])))
+      for cycle in cycles:
+        for micro_batch in cycle:
+          session.run(compiled, dict(zip(inputs, micro_batch)))
         snapshots.append(session.run(variables))
-      assert session.run(global_step) == len(data[0]) * GRAD_STEPS
+      assert session.run(global_step) == sum(len(c) for c in cycles)
   return snapshots
 
 

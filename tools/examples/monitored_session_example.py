@@ -49,9 +49,14 @@ with a plain Saver over the model's variables.
 
 Resuming with other settings: resume with the grad_steps, aggregation and
 micro_batch_weight the checkpoint was written with, or from a checkpoint
-written at a cycle boundary. A mid-cycle checkpoint restored with another
-grad_steps is not detected and its first update mixes the two. Switching
-use_tpu changes which counter decides: restore with deferred_grad.Saver.
+written at a cycle boundary. An int grad_steps is not saved (the
+original's format), so a mid-cycle checkpoint restored with another int is
+not detected and its first update mixes the two. Give grad_steps as a
+tensor or callable (schedule_example.py) to change it across restarts: its
+counters are saved, and a cycle restored mid-way ends with the length it
+began with. Between an int and a schedule, and when switching use_tpu, the
+counter that decides changes: restore with deferred_grad.Saver, which
+starts the wrapper's state afresh where the checkpoint lacks part of it.
 
 Under MirroredStrategy (also Estimator's train_distribute) each replica adds
 into its own part of an accumulator; the checkpoint holds their sum under

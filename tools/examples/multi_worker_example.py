@@ -38,13 +38,18 @@ The rules, each with what breaking it does:
 - One checkpoint_dir for all workers is fine, but only one worker writes
   it: give the others `save_checkpoint_steps=None, save_checkpoint_secs=None`.
   Two workers writing one directory race on its temporary files.
-- Checkpoint at cycle boundaries: `save_checkpoint(s)_steps` and
-  max_steps / last_step multiples of grad_steps. Each worker holds its own
-  partial sum mid-cycle and saves only its own, so a mid-cycle checkpoint
-  cannot resume exactly: a session that starts mid-cycle stops at its first
-  micro-step with `InvalidArgumentError: GradientAggregationOptimizer: this
-  session started mid-cycle, at step ...`, on every worker; restore an
-  earlier checkpoint. At a cycle boundary resume is exact.
+- Checkpoints: each worker holds its own partial sum mid-cycle and the
+  chief saves only its own, so a mid-cycle checkpoint (time-based saving
+  usually writes one) cannot resume that cycle exactly. A session that
+  starts mid-cycle logs `WARNING: GradientAggregationOptimizer: this
+  session started mid-cycle, at micro-step ...`, and every worker drops
+  that cycle alike (the micro-batches before the restart and after it, up
+  to the cycle's end: its apply step only resets); training goes on from
+  the next cycle. At a cycle boundary (`save_checkpoint(s)_steps` and
+  max_steps / last_step multiples of grad_steps) resume is exact.
+- A `grad_steps` schedule (tools/examples/schedule_example.py) must give
+  the same length on every worker: a constant or a callable of the updates
+  applied does. Workers whose cycles differ fail at their apply steps.
 - Divide each replica's loss by `strategy.num_replicas_in_sync`: the
   all-reduce sums.
 
