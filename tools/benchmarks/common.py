@@ -139,8 +139,13 @@ OPTIMIZERS = {
 }
 
 
-def training_session(tf, build_loss, batch, optimizer, grad_steps):
+def training_session(tf, build_loss, batch, optimizer, grad_steps,
+                     schedule=False):
   """A session and its train op; grad_steps None means the bare optimizer.
+
+  With `schedule`, grad_steps is given as a schedule: a callable of the
+  updates applied that gathers it from a table (always grad_steps), as a
+  batch-size schedule does.
 
   Returns:
     (session, train op, parameter count).
@@ -151,6 +156,9 @@ def training_session(tf, build_loss, batch, optimizer, grad_steps):
     loss, parameters = build_loss(tf, batch)
     opt = OPTIMIZERS[optimizer](tf)
     if grad_steps is not None:
+      if schedule:
+        grad_steps = (lambda k: lambda updates: tf.gather(
+            tf.constant([k], tf.int64), tf.minimum(updates, 0)))(grad_steps)
       opt = deferred_grad.GradientAggregationOptimizer(opt, grad_steps)
     train_op = opt.minimize(
         loss, global_step=tf.compat.v1.train.get_or_create_global_step())
