@@ -14,6 +14,7 @@ the options' timeout, not hang); 'monitored_resume': MonitoredTrainingSession
 stopped at a cycle boundary and started again on the same checkpoint_dir,
 which only worker 0 writes; 'monitored_resume_mid': the same stopped
 mid-cycle (both workers must drop that cycle, and train on);
+'monitored_resume_mid_schedule': the same with grad_steps a schedule;
 'schedule': a raw Session with grad_steps a callable of the updates
 applied, SCHEDULE (cycles of 2, 3 and 4 micro-steps); 'schedule_disagree':
 worker k's grad_steps is tf.constant(2 + k) (a mistake: both must fail
@@ -154,7 +155,7 @@ def _build(strategy, policy=None, grad_steps=GRAD_STEPS):
 
 
 def _monitored_resume(strategy, server, config, task, x_data, y_data,
-                      checkpoint_dir, stop):
+                      checkpoint_dir, stop, grad_steps=GRAD_STEPS):
   """Two MonitoredTrainingSessions on one checkpoint_dir; returns weights.
 
   The first stops at step `stop` (StopAtStepHook); only worker 0 saves
@@ -169,7 +170,8 @@ def _monitored_resume(strategy, server, config, task, x_data, y_data,
         assert time.time() < deadline, 'no checkpoint from worker 0'
         time.sleep(0.2)
     with tf.Graph().as_default(), strategy.scope():
-      global_step, x, y, variables, train_op, _ = _build(strategy)
+      global_step, x, y, variables, train_op, _ = _build(
+          strategy, grad_steps=grad_steps)
       barrier = deferred_grad.collective_barrier(strategy)
       options = deferred_grad.collective_run_options()
       # Worker 0 saves (every cycle); the others only restore.
@@ -207,6 +209,7 @@ def main(output, mode, delay):
   # A soak repeats the training in this process (fresh graphs and sessions
   # on the same servers); every repeat must end with the same weights.
   repeats = (1 if mode in ('uneven', 'estimator', 'monitored_resume_mid',
+                           'monitored_resume_mid_schedule',
                            'schedule_disagree') else REPEATS)
   first = None
   for repeat in range(repeats):
@@ -297,9 +300,13 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
   if mode.startswith('monitored_resume'):
     # Mid-cycle: one micro-step into the second cycle, which both workers
     # then drop.
-    stop = GRAD_STEPS + 1 if mode == 'monitored_resume_mid' else 2 * GRAD_STEPS
+    mid_cycle = mode.startswith('monitored_resume_mid')
+    stop = GRAD_STEPS + 1 if mid_cycle else 2 * GRAD_STEPS
+    grad_steps = GRAD_STEPS
+    if mode.endswith('_schedule'):  # the same cycles, counted by a schedule
+      grad_steps = lambda _: tf.constant(GRAD_STEPS, tf.int64)
     weights = _monitored_resume(strategy, server, config, task, x_data, y_data,
-                                checkpoint_dir, stop)
+                                checkpoint_dir, stop, grad_steps)
   return weights, collectives
 
 

@@ -40,12 +40,26 @@ def _input_fn(examples, batch_size, skip_batches=0):
   return input_fn
 
 
+SCHEDULE = (2, 3, 4)  # cycle lengths of the 'schedule' grad_steps
+
+
+def _schedule(updates):
+  return tf.gather(tf.constant(SCHEDULE, tf.int64),
+                   tf.minimum(updates, len(SCHEDULE) - 1))
+
+
 def _train_op(loss, params):
-  """The wrapper (if params['grad_steps']) around a Momentum optimizer."""
+  """The wrapper (if params['grad_steps']) around a Momentum optimizer.
+
+  params['grad_steps'] 'schedule' is `_schedule`.
+  """
   optimizer = models.OPTIMIZERS['Momentum'](None)
-  if params['grad_steps']:
+  grad_steps = params['grad_steps']
+  if grad_steps == 'schedule':
+    grad_steps = _schedule
+  if grad_steps:
     optimizer = deferred_grad.GradientAggregationOptimizer(
-        optimizer, params['grad_steps'], use_tpu=params['use_tpu'])
+        optimizer, grad_steps, use_tpu=params['use_tpu'])
   return optimizer.minimize(
       loss, global_step=tf.compat.v1.train.get_global_step())
 
@@ -160,6 +174,33 @@ def test_resume_mid_cycle_equals_uninterrupted(tmp_path, use_tpu):
   assert second.get_variable_value('global_step') == total
   training.assert_same_training([_weights(second)], [_weights(uninterrupted)],
                                 rtol=0, atol=0)
+
+
+def test_a_schedule_resumed_mid_cycle_trains_like_its_large_batches(
+    tmp_path, use_tpu):
+  """grad_steps a callable of the updates (cycles of 2, 3, 4 micro-batches);
+  the job stops one micro-step into the second cycle and a new Estimator
+  on the same model_dir finishes it: the large batches of 2, 3 and 4."""
+  total = sum(SCHEDULE)
+  examples = _examples(total, models.MICRO_BATCH)
+  bare = training.Trainer(models.OPTIMIZERS['Momentum'])
+  with bare.session() as session:
+    start = 0
+    for length in SCHEDULE:
+      end = start + length * models.MICRO_BATCH
+      bare.micro_step(session, examples[0][start:end], examples[1][start:end])
+      start = end
+    expected = session.run(bare.variables)
+  model_dir = str(tmp_path / 'schedule')
+  stop = SCHEDULE[0] + 1
+  _estimator(model_dir, 'schedule', use_tpu).train(
+      _input_fn(examples, models.MICRO_BATCH), max_steps=stop)
+  second = _estimator(model_dir, 'schedule', use_tpu)
+  second.train(_input_fn(examples, models.MICRO_BATCH, skip_batches=stop),
+               max_steps=total)
+  assert second.get_variable_value('global_step') == total
+  assert second.get_variable_value('applied_updates') == len(SCHEDULE)
+  training.assert_same_training([_weights(second)], [expected])
 
 
 def test_estimator_mirrored_strategy_resumes_mid_cycle(tmp_path):

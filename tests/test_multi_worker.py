@@ -245,12 +245,15 @@ def test_workers_with_different_schedules_fail_instead_of_training(tmp_path):
   assert time.time() - start < WORKER_TIMEOUT
 
 
-def test_resume_mid_cycle_drops_that_cycle_on_every_worker(tmp_path):
+@pytest.mark.parametrize('mode', ['monitored_resume_mid',
+                                  'monitored_resume_mid_schedule'])
+def test_resume_mid_cycle_drops_that_cycle_on_every_worker(tmp_path, mode):
   """A checkpoint written mid-cycle holds only the saving worker's part.
 
   Restored one micro-step into the second cycle, both workers warn, drop
   that cycle (the micro-batch before the restart and those after it) and
-  train on: the weights are the large batch's of cycles 1 and 3.
+  train on: the weights are the large batch's of cycles 1 and 3. The same
+  with grad_steps a schedule (its counters restored mid-cycle).
   """
   x, y = make_data(models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
   trainer = training.Trainer(models.OPTIMIZERS['Momentum'])
@@ -258,8 +261,7 @@ def test_resume_mid_cycle_drops_that_cycle_on_every_worker(tmp_path):
     for cycle in (0, 2):
       trainer.micro_step(session, x[cycle], y[cycle])
     expected = session.run(trainer.variables)
-  results = _run_workers(tmp_path, 'monitored_resume_mid', [0, 0],
-                         check=False)
+  results = _run_workers(tmp_path, mode, [0, 0], check=False)
   for index, (returncode, log) in enumerate(results):
     assert returncode == 0, log[-3000:]
     assert 'this session started mid-cycle, at micro-step 1' in log, (

@@ -37,8 +37,10 @@ What a script can count on:
   learning-rate schedules: give the wrapped optimizer a callable learning
   rate, which it calls when the train op is built, as below. Fetched with
   the train op it is the count before that run, as `applies_update()` is
-  that run's decision. (`deferred_grad.applied_updates(global_step, K)`
-  holds for an int only.)
+  that run's decision. It counts ended cycles, also those a
+  nonfinite_policy skipped, as `global_step // K` does for an int
+  (`deferred_grad.applied_updates(global_step, K)`, which holds for an int
+  only).
 - Replicas and workers must agree on every cycle's length, since they meet
   on apply steps only. Under MirroredStrategy the schedule is read once for
   all replicas. Under MultiWorkerMirroredStrategy read it the same on every
