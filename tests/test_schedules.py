@@ -449,3 +449,36 @@ def test_the_applied_updates_helper_refuses_a_schedule(grad_steps):
     step = tf.compat.v1.train.get_or_create_global_step()
     with pytest.raises(TypeError, match=r'grad_steps.*applied_updates\(\)'):
       deferred_grad.applied_updates(step, grad_steps)
+
+
+def test_a_variable_the_script_assigns_takes_effect_at_the_next_cycle(
+    use_tpu):
+  """grad_steps a tf.Variable: set to 3 one micro-step into the second
+  cycle (of 2), that cycle keeps 2 and the next ones take 3."""
+  lengths = [2, 2, 3, 3]
+  data = _data('mlp', lengths)
+  expected = large_batches(models.OPTIMIZERS['Momentum'], 'mlp', data,
+                           lengths)
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [None, models.INPUT_DIM])
+    y = tf.compat.v1.placeholder(tf.float32, [None, models.OUTPUT_DIM])
+    loss, variables = models.model_loss(x, y)
+    grad_steps = tf.compat.v1.Variable(2, dtype=tf.int64, trainable=False)
+    opt = deferred_grad.GradientAggregationOptimizer(
+        models.OPTIMIZERS['Momentum'](None), grad_steps, use_tpu=use_tpu)
+    train_op = opt.minimize(
+        loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+    applies = opt.applies_update()
+    actual = []
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for c, cycle in enumerate(_cycles(data, lengths)):
+        for k, (x_value, y_value) in enumerate(cycle):
+          if (c, k) == (1, 1):
+            session.run(grad_steps.assign(3))
+          _, applied = session.run([train_op, applies],
+                                   {x: x_value, y: y_value})
+          assert applied == (k == len(cycle) - 1), (c, k)
+        actual.append(session.run(variables))
+  training.assert_same_training(actual, expected)
