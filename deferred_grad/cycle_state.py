@@ -184,10 +184,7 @@ def create(rules, own_counter, global_step=None, local=None):
   skipped = (None, None)
   if rules.nonfinite_policy:
     skipped = tuple(
-        variables.own_variable(
-            name, tf.int64,
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-            local=local)
+        variables.own_counter(name, tf.int64, local)
         for name in ('skipped_micro_batches', 'skipped_cycles'))
   cycle = None
   if rules.schedule is not None:

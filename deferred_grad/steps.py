@@ -42,13 +42,6 @@ Position = collections.namedtuple(
     'Position', ['in_cycle', 'length', 'is_end', 'updates', 'step'])
 
 
-def _counter(name, dtype, local):
-  """One of the cycle's own scalars, written once for all replicas."""
-  return variables.own_variable(
-      name, dtype, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-      local=local)
-
-
 def count_on(step):
   """Adds one micro-step to a global step (atomically: workers share it)."""
   if compat.is_ref_variable(step):
@@ -73,8 +66,8 @@ class StepCycle(object):
   def __init__(self, grad_steps, global_step=None, local=None):
     self.grad_steps = grad_steps
     self.counts_global_step = global_step is not None
-    self.step = global_step if self.counts_global_step else _counter(
-        COUNTER_NAME, tf.float32, local)
+    self.step = global_step if self.counts_global_step else (
+        variables.own_counter(COUNTER_NAME, tf.float32, local))
 
   def variables(self):
     return [] if self.counts_global_step else [self.step]
@@ -128,7 +121,8 @@ class Schedule(object):
   def __init__(self, grad_steps, local=None):
     self._grad_steps = grad_steps
     self.in_cycle, self.length, self.updates = (
-        _counter(name, tf.int64, local) for name in SCHEDULE_NAMES)
+        variables.own_counter(name, tf.int64, local)
+        for name in SCHEDULE_NAMES)
 
   def variables(self):
     return [self.in_cycle, self.length, self.updates]

@@ -165,11 +165,11 @@ class RowQueueAccumulator(object):
   """A table's accumulator on a worker, for tables on parameter servers.
 
   A worker-local copy of a table as large as the table (on every worker) is
-  what the dense kind and `SparseAccumulator` would need; this one holds only the rows
-  the cycle looked up: each micro-step enqueues its ids and rows (divided by
-  the cycle's length) in a queue on the worker, and the apply step takes them all,
-  adds up the rows of equal ids and hands on an `IndexedSlices` over every
-  id touched. Memory and time O(rows looked up per cycle); nothing goes to
+  what the dense kind and `SparseAccumulator` would need; this one holds
+  only the rows the cycle looked up: each micro-step enqueues its ids and
+  rows (divided by the cycle's length) in a queue on the worker, and the
+  apply step takes them all, adds up the rows of equal ids and hands on an
+  `IndexedSlices` over every id touched. Memory and time O(rows looked up per cycle); nothing goes to
   the parameter servers before the apply step. The queue is not saved:
   a restarted worker starts a new cycle (see `placement`).
 

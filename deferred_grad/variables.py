@@ -87,6 +87,13 @@ def own_variable(name, dtype, initial_value=0,
   return variable
 
 
+def own_counter(name, dtype, local=None):
+  """A scalar `own_variable` that replicas write once for all (counters)."""
+  return own_variable(
+      name, dtype, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+      local=local)
+
+
 def count_global_step(global_step, accumulates):
   """Records that a train op counts `global_step`; refuses a conflict.
 
