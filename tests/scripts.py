@@ -21,12 +21,18 @@ from benchmarks.cluster import free_ports  # pylint: disable=unused-import
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 # Scripts under tools/ set their own TensorFlow behaviour: run them once per
-# TensorFlow version, in the v1 pass of the test runner (the shorter one: the
-# runner runs a version's two passes side by side).
-run_once_per_version = pytest.mark.skipif(
-    behavior.BEHAVIOR != 'v1',
-    reason='runs a tools/ script, which sets its own TF behaviour: once per '
-    'TensorFlow version, in the v1 pass')
+# TensorFlow version, in one pass of the test runner (which runs a version's
+# two passes side by side): the examples in the v1 pass, tools/gpu_check's
+# in the v2 pass, so that the two passes take about as long.
+def _once_per_version_in(pass_behavior):
+  return pytest.mark.skipif(
+      behavior.BEHAVIOR != pass_behavior,
+      reason='runs a tools/ script, which sets its own TF behaviour: once per '
+      'TensorFlow version, in the %s pass' % pass_behavior)
+
+
+run_once_per_version = _once_per_version_in('v1')
+run_once_per_version_in_v2 = _once_per_version_in('v2')
 
 
 def run_tool(script, *args):
