@@ -25,6 +25,7 @@ from __future__ import division
 from __future__ import print_function
 
 from deferred_grad import arguments
+from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import distribute
 from deferred_grad import steps
@@ -192,6 +193,10 @@ def create(rules, own_counter, global_step=None, local=None):
   elif rules.accumulates:
     cycle = steps.StepCycle(
         rules.grad_steps, None if own_counter else global_step, local)
+  if cycle is not None and local is None:  # see `checkpoints.Saver`
+    checkpoints.record_settings(rules.grad_steps, rules.weighted,
+                                rules.nonfinite_policy, NONFINITE_POLICIES,
+                                cycle.place())
   return TrainOpState(cycle, global_step, counts, skipped)
 
 

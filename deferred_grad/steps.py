@@ -92,6 +92,11 @@ class StepCycle(object):
         is_end=tf.equal(in_cycle, self.grad_steps - 1), updates=None,
         step=value)
 
+  def place(self):
+    """The micro-steps of the cycle so far, read when run (int64)."""
+    return tf.cast(tf.math.floormod(self.step.read_value(), self.grad_steps),
+                   tf.int64)
+
   def advance(self, position):
     """Counts the micro-step at `position` (its read ordered before)."""
     if self.counts_global_step:
@@ -126,6 +131,10 @@ class Schedule(object):
 
   def variables(self):
     return [self.in_cycle, self.length, self.updates]
+
+  def place(self):
+    """The micro-steps of the cycle so far, read when run (int64)."""
+    return self.in_cycle.read_value()
 
   def next_length(self, updates):
     """The schedule's value for the cycle after `updates` updates (int64).

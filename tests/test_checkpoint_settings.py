@@ -1,0 +1,261 @@
+"""Checkpoints restored under other settings than they were written with.
+
+A partial cycle's sums mean what the settings they were added under say.
+The contract (README, "Checkpoints"): a setting that the accumulated sums do
+not depend on (`aggregation`, `use_tpu`'s counter, `sparse_as_dense`, a
+policy's kind) may change at any step; one they depend on may change at a
+cycle boundary, and a mid-cycle checkpoint restored under another one fails
+with an error naming it (`deferred_grad.Saver`, which records the settings)
+or a `NotFoundError` naming the missing counter (a plain Saver), never a
+wrong update.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import deferred_grad
+import models
+import training
+
+K = 3
+_OPTIMIZER = models.OPTIMIZERS['Momentum']
+
+
+def _micro_batches(cycles=2, model='mlp'):
+  """`cycles` cycles of K micro-batches: a list of input tuples."""
+  return list(zip(*models.MODELS[model][0](cycles * K, models.MICRO_BATCH,
+                                           seed=11)))
+
+
+def _trainer(grad_steps=K, **kwargs):
+  step_tensor = 'global_step' if not isinstance(grad_steps, int) else 'auto'
+  return training.Trainer(_OPTIMIZER, grad_steps, step_tensor=step_tensor,
+                          **kwargs)
+
+
+def _save_after(trainer, micro_batches, path, saver_class):
+  with trainer.session() as session:
+    for batch in micro_batches:
+      trainer.micro_step(session, *batch)
+    with trainer.graph.as_default():
+      return saver_class().save(session, path)
+
+
+def _resume(trainer, path, micro_batches, saver_class):
+  """Restores `path` into `trainer`, runs `micro_batches`; the weights."""
+  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
+    saver_class().restore(session, path)
+    for batch in micro_batches:
+      trainer.micro_step(session, *batch)
+    return session.run(trainer.variables)
+
+
+def _uninterrupted(trainer, micro_batches):
+  with trainer.session() as session:
+    for batch in micro_batches:
+      trainer.micro_step(session, *batch)
+    return session.run(trainer.variables)
+
+
+def _large_batches(micro_batches, model='mlp'):
+  """The bare optimizer on each cycle's K micro-batches as one batch."""
+  bare = training.Trainer(_OPTIMIZER, model=model)
+  with bare.session() as session:
+    for start in range(0, len(micro_batches), K):
+      cycle = micro_batches[start:start + K]
+      bare.micro_step(session, *[np.concatenate(part) for part in
+                                 zip(*cycle)])
+    return session.run(bare.variables)
+
+
+@pytest.mark.parametrize('saver_class', [tf.compat.v1.train.Saver,
+                                         deferred_grad.Saver],
+                         ids=['plain_saver', 'deferred_grad_saver'])
+@pytest.mark.parametrize('written, restored', [
+    (dict(aggregation='mean'), dict(aggregation='sum')),
+    (dict(aggregation='sum'), dict(aggregation='mean')),
+    (dict(use_tpu=True), dict(use_tpu=False)),
+    (dict(nonfinite_policy='skip_cycle'),
+     dict(nonfinite_policy='skip_micro_batch')),
+    (dict(model='embedding'), dict(model='embedding', sparse_as_dense=True)),
+    (dict(model='embedding', sparse_as_dense=True), dict(model='embedding')),
+], ids=['mean_to_sum', 'sum_to_mean', 'tpu_to_gpu_path', 'policy_kind',
+        'to_sparse_as_dense', 'from_sparse_as_dense'])
+def test_settings_the_sums_do_not_depend_on_may_change_mid_cycle(
+    written, restored, saver_class, tmp_path):
+  """Resumed one micro-step into a cycle, training goes on as if the
+  restoring settings had been used from the start."""
+  model = restored.get('model', 'mlp')
+  batches = _micro_batches(model=model)
+  path = _save_after(_trainer(**written), batches[:1],
+                     str(tmp_path / 'model'), saver_class)
+  actual = _resume(_trainer(**restored), path, batches[1:], saver_class)
+  expected = _uninterrupted(_trainer(**restored), batches)
+  training.assert_same_training([actual], [expected])
+  # And the large batch's (which a dense Momentum update of a table, the
+  # original's sparse_as_dense, is not: it moves untouched rows too).
+  if (restored.get('aggregation', 'mean') == 'mean' and
+      not restored.get('sparse_as_dense')):
+    training.assert_same_training([actual], [_large_batches(batches, model)])
+
+
+# A constant weight: the weighted mean is the mean (the large batch's), and
+# the setting is still recorded.
+_WEIGHT = dict(weight_fn=lambda x, y: tf.constant(2.0))
+
+# (written, restored, the keyword named): the partial cycle's sums depend on
+# the setting.
+_DEPENDENT = [
+    (dict(grad_steps=K), dict(grad_steps=2), 'grad_steps'),
+    (dict(grad_steps=K, use_tpu=True), dict(grad_steps=4, use_tpu=True),
+     'grad_steps'),
+    (dict(grad_steps=lambda updates: tf.constant(K, tf.int64)),
+     dict(grad_steps=K), 'grad_steps'),
+    (_WEIGHT, dict(), 'micro_batch_weight'),
+    (dict(nonfinite_policy='skip_micro_batch'), dict(), 'nonfinite_policy'),
+]
+_DEPENDENT_IDS = ['3_to_2', '3_to_4_tpu_path', 'schedule_to_int',
+                  'weights_removed', 'policy_removed']
+
+
+@pytest.mark.parametrize('written, restored, keyword', _DEPENDENT,
+                         ids=_DEPENDENT_IDS)
+def test_saver_refuses_a_partial_cycle_under_other_settings(
+    written, restored, keyword, tmp_path):
+  batches = _micro_batches()
+  path = _save_after(_trainer(**written), batches[:1],
+                     str(tmp_path / 'model'), deferred_grad.Saver)
+  with pytest.raises(ValueError, match=keyword) as raised:
+    _resume(_trainer(**restored), path, batches[1:], deferred_grad.Saver)
+  assert 'micro-step 1 of a cycle' in str(raised.value)
+
+
+def test_saver_refuses_it_when_a_monitored_session_restores(tmp_path):
+  """The error comes from the session's creation, before any micro-step."""
+  checkpoint_dir = str(tmp_path)
+  _save_after(_trainer(), _micro_batches()[:1],
+              os.path.join(checkpoint_dir, 'model.ckpt'), deferred_grad.Saver)
+  trainer = _trainer(grad_steps=2)
+  with trainer.graph.as_default():
+    scaffold = tf.compat.v1.train.Scaffold(saver=deferred_grad.Saver())
+    with pytest.raises(ValueError, match='grad_steps=3.*grad_steps=2'):
+      with tf.compat.v1.train.MonitoredTrainingSession(
+          checkpoint_dir=checkpoint_dir, scaffold=scaffold,
+          save_checkpoint_secs=None, save_checkpoint_steps=None,
+          save_summaries_steps=None, save_summaries_secs=None,
+          log_step_count_steps=None):
+        pass
+
+
+@pytest.mark.parametrize('written, restored', [
+    case[:2] for case in _DEPENDENT
+    if isinstance(case[0].get('grad_steps', K), int)], ids=[
+        name for name in _DEPENDENT_IDS if name != 'schedule_to_int'])
+def test_at_a_cycle_boundary_every_setting_may_change(written, restored,
+                                                      tmp_path):
+  """Saved after two cycles (global_step 6, a multiple of 2 and of 3), the
+  restored graph goes on with its own settings: its cycles are the large
+  batches of its micro-batches."""
+  batches = _micro_batches(cycles=4)
+  path = _save_after(_trainer(**written), batches[:2 * K],
+                     str(tmp_path / 'model'), deferred_grad.Saver)
+  actual = _resume(_trainer(**restored), path, batches[2 * K:],
+                   deferred_grad.Saver)
+  steps = restored.get('grad_steps', K)
+  cycles = [batches[:K], batches[K:2 * K]] + [
+      batches[start:start + steps]
+      for start in range(2 * K, len(batches) - steps + 1, steps)]
+  bare = training.Trainer(_OPTIMIZER)
+  with bare.session() as session:
+    for cycle in cycles:  # an unfinished last cycle applies nothing yet
+      bare.micro_step(session, *[np.concatenate(part) for part in zip(*cycle)])
+    expected = session.run(bare.variables)
+  training.assert_same_training([actual], [expected])
+
+
+@pytest.mark.parametrize('saved_by', ['the wrapper', 'the bare optimizer'])
+def test_a_global_step_mid_way_into_a_new_cycle_is_refused(saved_by,
+                                                           tmp_path):
+  """Counted on global_step, a restored cycle with no partial sums (another
+  grad_steps, or none at all) would apply fewer micro-batches than
+  grad_steps: an error, which points to the schedule form, whose counters
+  start afresh (and then train like the large batch)."""
+  batches = _micro_batches(cycles=3)
+  path = str(tmp_path / 'model')
+  if saved_by == 'the wrapper':  # on its boundary: global_step 3
+    _save_after(_trainer(), batches[:K], path, deferred_grad.Saver)
+    restored = 2
+  else:  # global_step 4: 4 % 3 == 1
+    _save_after(training.Trainer(_OPTIMIZER), batches[:4], path,
+                tf.compat.v1.train.Saver)
+    restored = K
+  with pytest.raises(ValueError, match='grad_steps=%d at micro-step 1 ' %
+                     restored):
+    _resume(_trainer(restored), path, [], deferred_grad.Saver)
+  trainer = _trainer(lambda updates: tf.constant(restored, tf.int64))
+  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
+    deferred_grad.Saver().restore(session, path)
+    start = session.run(trainer.variables)
+    for batch in batches[:restored]:
+      trainer.micro_step(session, *batch)
+    actual = session.run(trainer.variables)
+  bare = training.Trainer(_OPTIMIZER)
+  with bare.session() as session:
+    if saved_by == 'the wrapper':  # the wrapped optimizer's slots go on
+      tf.compat.v1.train.Saver().restore(session, path)
+    else:
+      for name, variable in bare.variables.items():
+        variable.load(start[name], session)
+      for slot in bare.optimizer.get_slot_names():
+        for variable in bare.variables.values():
+          v = bare.optimizer.get_slot(variable, slot)
+          v.load(tf.train.load_variable(path, v.op.name), session)
+    bare.micro_step(session, *[np.concatenate(part) for part in
+                               zip(*batches[:restored])])
+    expected = session.run(bare.variables)
+  training.assert_same_training([actual], [expected])
+
+
+@pytest.mark.parametrize('restored, missing', [
+    (dict(use_tpu=True), 'update_count'),
+    (_WEIGHT, 'micro_batch_weights'),
+    (dict(nonfinite_policy='skip_cycle'), 'good_micro_batches'),
+], ids=['to_tpu_path', 'weights_added', 'policy_added'])
+def test_a_setting_that_adds_a_counter_needs_the_saver(restored, missing,
+                                                       tmp_path):
+  """A plain Saver's NotFoundError names the counter; deferred_grad.Saver
+  restores the model and starts the wrapper's state afresh."""
+  batches = _micro_batches()
+  path = _save_after(_trainer(), batches[:K], str(tmp_path / 'model'),
+                     tf.compat.v1.train.Saver)
+  with pytest.raises(tf.errors.NotFoundError, match=missing):
+    _resume(_trainer(**restored), path, [], tf.compat.v1.train.Saver)
+  actual = _resume(_trainer(**restored), path, batches[K:],
+                   deferred_grad.Saver)
+  training.assert_same_training([actual], [_large_batches(batches)])
+
+
+def test_a_wider_accumulator_dtype_is_refused_by_the_restore(tmp_path):
+  """The accumulators' dtype is in the checkpoint: a restore with another
+  fails (TensorFlow's dtype check)."""
+  path = _save_after(_trainer(), _micro_batches()[:1],
+                     str(tmp_path / 'model'), tf.compat.v1.train.Saver)
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    _resume(_trainer(accumulator_dtype=tf.float64), path, [],
+            tf.compat.v1.train.Saver)
+
+
+def test_checkpoints_of_the_saver_restore_with_a_plain_saver(tmp_path):
+  """The settings are one more tensor in the file, which other savers (and
+  graphs without the wrapper) leave alone."""
+  batches = _micro_batches()
+  path = _save_after(_trainer(), batches[:1], str(tmp_path / 'model'),
+                     deferred_grad.Saver)
+  key = 'GradientAggregationOptimizer/deferred_grad_settings'
+  np.testing.assert_array_equal(tf.train.load_variable(path, key),
+                                [K, 0, 0, 1])
+  actual = _resume(_trainer(), path, batches[1:], tf.compat.v1.train.Saver)
+  training.assert_same_training([actual], [_large_batches(batches)])
