@@ -323,7 +323,8 @@ def check_weight_value(weight, nonfinite_policy):
 
 def check_apply_gradients(grads_and_vars, global_step, name,
                           replica_context, use_tpu, apply_crs_to_grad):
-  """Checks `apply_gradients`' arguments; returns the pairs with a gradient.
+  """Checks `apply_gradients`' arguments; returns the pairs with a gradient,
+  each variable once (`sum_duplicates`).
 
   Args:
     grads_and_vars, global_step, name: `apply_gradients`' arguments.
@@ -355,4 +356,32 @@ def check_apply_gradients(grads_and_vars, global_step, name,
                      ([v.name for _, v in grads_and_vars],))
   distribute.check_replicas(replica_context, use_tpu)
   check_cross_replica_sum(apply_crs_to_grad)
-  return present
+  return sum_duplicates(present)
+
+
+def sum_duplicates(pairs):
+  """The (gradient, variable) pairs with each variable once.
+
+  A variable listed twice (the `compute_gradients` lists of two losses put
+  end to end) gets the sum of its gradients: the gradient of the sum of
+  the losses, which the cycle then accumulates once. Accumulated twice in
+  one slot, each pair's apply would hand on both.
+  """
+  summed = []
+  for gradient, variable in pairs:
+    for index, (other, known) in enumerate(summed):
+      if known is variable:
+        summed[index] = (_add(other, gradient), variable)
+        break
+    else:
+      summed.append((gradient, variable))
+  return summed
+
+
+def _add(a, b):
+  """a + b for Tensors and IndexedSlices (an IndexedSlices if both are)."""
+  if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+    ids = [tf.cast(part.indices, tf.int64) for part in (a, b)]
+    return tf.IndexedSlices(tf.concat([a.values, b.values], 0),
+                            tf.concat(ids, 0), a.dense_shape)
+  return tf.add(*[tf.convert_to_tensor(part) for part in (a, b)])

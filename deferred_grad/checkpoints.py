@@ -243,8 +243,9 @@ class Saver(tf.compat.v1.train.Saver):
   * a checkpoint without (some of) the wrapper's state, e.g. one written
     before accumulation was turned on: the model and the wrapped optimizer's
     variables are restored, and the wrapper's accumulators and counters are
-    initialized (the cycle starts afresh: a cycle counted on `global_step`
-    ends where `global_step` is next a multiple of `grad_steps`). The wrapped
+    initialized: the cycle starts afresh (an int cycle counted on a
+    restored `global_step` that is not a multiple of `grad_steps` would
+    start part-way, with nothing summed: a `ValueError`). The wrapped
     optimizer's non-slot variables (Adam's `beta1_power`, ...), which the
     wrapper names `cond/beta1_power` under control flow v1 as the original
     did, are read from their names without the wrapper if need be.

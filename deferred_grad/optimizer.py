@@ -185,8 +185,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """Accumulates a micro-step's gradients; applies their mean every cycle.
 
     Args:
-      grads_and_vars: list of (gradient, variable) pairs, as returned by
-        `compute_gradients`. Pairs whose gradient is None are skipped.
+      grads_and_vars: (gradient, variable) pairs from `compute_gradients`;
+        None gradients are skipped, a variable's repeats summed.
       global_step: optional integer `Variable`, which the wrapper increments
         once per call (micro-step).
       name: optional name for the returned op; all ops made here live under

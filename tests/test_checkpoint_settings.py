@@ -259,3 +259,34 @@ def test_checkpoints_of_the_saver_restore_with_a_plain_saver(tmp_path):
                                 [K, 0, 0, 1])
   actual = _resume(_trainer(), path, batches[1:], tf.compat.v1.train.Saver)
   training.assert_same_training([actual], [_large_batches(batches)])
+
+
+@pytest.mark.parametrize('grad_steps', [K, 2], ids=['same', 'other'])
+def test_under_mirrored_strategy_the_saver_resumes_or_refuses(grad_steps,
+                                                              tmp_path):
+  """The settings are read and checked beside per-replica accumulators:
+  with the same grad_steps the cycle resumes like the uninterrupted run,
+  with another the restore raises."""
+  x, y = models.make_data(2 * K, training.REPLICAS * models.MICRO_BATCH)
+  uninterrupted = training.MirroredTrainer(_OPTIMIZER, K)
+  with tf.compat.v1.Session(graph=uninterrupted.graph) as session:
+    session.run(uninterrupted.init_op)
+    for step in range(2 * K):
+      uninterrupted.micro_step(session, x[step], y[step])
+    expected = session.run(uninterrupted.variables)
+  first = training.MirroredTrainer(_OPTIMIZER, K)
+  with first.graph.as_default(), tf.compat.v1.Session() as session:
+    session.run(first.init_op)
+    first.micro_step(session, x[0], y[0])
+    path = deferred_grad.Saver().save(session, str(tmp_path / 'model'))
+  second = training.MirroredTrainer(_OPTIMIZER, grad_steps)
+  with second.graph.as_default(), tf.compat.v1.Session() as session:
+    if grad_steps != K:
+      with pytest.raises(ValueError, match='grad_steps=3.*grad_steps=2'):
+        deferred_grad.Saver().restore(session, path)
+      return
+    deferred_grad.Saver().restore(session, path)
+    for step in range(1, 2 * K):
+      second.micro_step(session, x[step], y[step])
+    actual = session.run(second.variables)
+  training.assert_same_training([actual], [expected])

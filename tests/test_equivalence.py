@@ -100,6 +100,46 @@ def test_none_gradients_are_skipped(use_tpu):
   assert 'unused/GradientAccumulator' not in names
 
 
+@pytest.mark.parametrize('optimizer', ['GradientDescent', 'Adam'])
+@pytest.mark.parametrize('model, second', [
+    ('mlp', 'half'), ('mlp', 'l2'), ('embedding', 'half'),
+    ('embedding', 'l2')])
+def test_a_variable_listed_twice_gets_the_sum_of_its_gradients(
+    optimizer, model, second, use_tpu):
+  """grads_and_vars of two losses put end to end (one model under two
+  losses): the cycle applies the large batch's gradient of their sum, as
+  the bare optimizer minimizing the sum. ('l2': a dense gradient beside a
+  table's IndexedSlices.)"""
+  make_data_fn, input_specs, loss_fn = models.MODELS[model]
+  data = make_data_fn(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
+
+  def run(grad_steps):
+    with tf.Graph().as_default():
+      global_step = tf.compat.v1.train.get_or_create_global_step()
+      inputs = [tf.compat.v1.placeholder(dtype, shape)
+                for dtype, shape in input_specs]
+      loss, variables = loss_fn(*inputs)
+      extra = 0.5 * loss if second == 'half' else 0.01 * tf.add_n(
+          [tf.nn.l2_loss(v) for v in variables.values()])
+      opt = models.OPTIMIZERS[optimizer](global_step)
+      if grad_steps is None:
+        train_op = opt.minimize(loss + extra, global_step=global_step)
+      else:
+        opt = deferred_grad.GradientAggregationOptimizer(opt, grad_steps,
+                                                         use_tpu=use_tpu)
+        pairs = opt.compute_gradients(loss) + opt.compute_gradients(extra)
+        train_op = opt.apply_gradients(pairs, global_step=global_step)
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for cycle in range(models.CYCLES):
+          parts = [np.split(part[cycle], grad_steps or 1) for part in data]
+          for micro_batch in zip(*parts):
+            session.run(train_op, dict(zip(inputs, micro_batch)))
+        return session.run(variables)
+
+  assert_same_training([run(GRAD_STEPS)], [run(None)])
+
+
 def test_grad_steps_one_is_the_bare_optimizer(use_tpu):
   data = make_data(models.CYCLES, models.MICRO_BATCH)
   expected, expected_step, expected_graph = train(

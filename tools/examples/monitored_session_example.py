@@ -42,21 +42,26 @@ checkpoint, the wrapper's accumulators and counters start afresh (under
 Build it after the train op and give it to the session through a Scaffold,
 as below (an Estimator model_fn: `EstimatorSpec(..., scaffold=scaffold)`).
 On the GPU path the cycle is read from `global_step`: restored at a step that
-is not a multiple of grad_steps, the first cycle is shorter (the sum of fewer
-micro-batches, divided by grad_steps). The other way, a checkpoint with
+is not a multiple of grad_steps, the first cycle would be short (the sum of
+fewer micro-batches, divided by grad_steps), so the Saver raises a
+ValueError saying so; give grad_steps as a tensor (`tf.constant(k)`), whose
+counters start afresh, to turn accumulation on at any step. The other way, a checkpoint with
 accumulators restores into a graph without the wrapper (evaluation, export)
 with a plain Saver over the model's variables.
 
-Resuming with other settings: resume with the grad_steps, aggregation and
-micro_batch_weight the checkpoint was written with, or from a checkpoint
-written at a cycle boundary. An int grad_steps is not saved (the
-original's format), so a mid-cycle checkpoint restored with another int is
-not detected and its first update mixes the two. Give grad_steps as a
-tensor or callable (schedule_example.py) to change it across restarts: its
-counters are saved, and a cycle restored mid-way ends with the length it
-began with. Between an int and a schedule, and when switching use_tpu, the
-counter that decides changes: restore with deferred_grad.Saver, which
-starts the wrapper's state afresh where the checkpoint lacks part of it.
+Resuming with other settings (the README's "Checkpoints" has the table):
+aggregation, sparse_as_dense and the TPU-to-GPU path may change at any
+step. grad_steps (an int), micro_batch_weight and nonfinite_policy may
+change at a cycle boundary; an int grad_steps is not in the original's
+format, so a plain Saver cannot tell a mid-cycle checkpoint restored with
+another, but `deferred_grad.Saver` saves each train op's settings
+(`<scope>/deferred_grad_settings`) and raises a ValueError naming the
+keyword. Give grad_steps as a tensor or callable (schedule_example.py) to
+change it at any step: its counters are saved, and a cycle restored
+mid-way ends with the length it began with. Where a setting adds a
+counter (a policy, weights, the GPU-to-TPU path, an int to a schedule), a
+plain Saver fails with NotFoundError and deferred_grad.Saver starts the
+wrapper's state afresh.
 
 Under MirroredStrategy (also Estimator's train_distribute) each replica adds
 into its own part of an accumulator; the checkpoint holds their sum under
