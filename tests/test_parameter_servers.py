@@ -34,7 +34,7 @@ K = 4
 MICRO_BATCHES = 12  # per worker
 TIMEOUT_MS = 60000
 # Each configuration; races show up only sometimes (tools/soak raises it).
-REPEATS = 3 * int(os.environ.get('DEFERRED_GRAD_SOAK_REPEATS', 1))
+REPEATS = 2 * int(os.environ.get('DEFERRED_GRAD_SOAK_REPEATS', 1))
 
 _runs = itertools.count()
 
