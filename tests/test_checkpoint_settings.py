@@ -71,17 +71,20 @@ def _large_batches(micro_batches, model='mlp'):
     return session.run(bare.variables)
 
 
-@pytest.mark.parametrize('saver_class', [tf.compat.v1.train.Saver,
-                                         deferred_grad.Saver],
-                         ids=['plain_saver', 'deferred_grad_saver'])
-@pytest.mark.parametrize('written, restored', [
-    (dict(aggregation='mean'), dict(aggregation='sum')),
-    (dict(aggregation='sum'), dict(aggregation='mean')),
-    (dict(use_tpu=True), dict(use_tpu=False)),
+_PLAIN, _OURS = tf.compat.v1.train.Saver, deferred_grad.Saver
+
+
+# deferred_grad.Saver where it records the setting (which it must accept).
+@pytest.mark.parametrize('written, restored, saver_class', [
+    (dict(aggregation='mean'), dict(aggregation='sum'), _PLAIN),
+    (dict(aggregation='sum'), dict(aggregation='mean'), _PLAIN),
+    (dict(use_tpu=True), dict(use_tpu=False), _OURS),
     (dict(nonfinite_policy='skip_cycle'),
-     dict(nonfinite_policy='skip_micro_batch')),
-    (dict(model='embedding'), dict(model='embedding', sparse_as_dense=True)),
-    (dict(model='embedding', sparse_as_dense=True), dict(model='embedding')),
+     dict(nonfinite_policy='skip_micro_batch'), _OURS),
+    (dict(model='embedding'), dict(model='embedding', sparse_as_dense=True),
+     _PLAIN),
+    (dict(model='embedding', sparse_as_dense=True), dict(model='embedding'),
+     _OURS),
 ], ids=['mean_to_sum', 'sum_to_mean', 'tpu_to_gpu_path', 'policy_kind',
         'to_sparse_as_dense', 'from_sparse_as_dense'])
 def test_settings_the_sums_do_not_depend_on_may_change_mid_cycle(
