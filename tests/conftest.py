@@ -25,12 +25,14 @@ def pytest_configure(config):
 
 
 # Tests that start worker processes (MultiWorkerMirroredStrategy) are the
-# slowest: by default each runs in one pass of each TensorFlow version,
-# alternating (case i in the v2 pass on 2.15 and the v1 pass on 2.21, case
-# i+1 the other way round), so that every case meets both behaviours and
-# both versions. DEFERRED_GRAD_ALL_CONFIGURATIONS=1 (tools/soak sets it)
-# runs every case in every pass.
-_ALTERNATING_MODULES = ('test_multi_worker.py',)
+# slowest: by default each case runs in one of the test runner's four runs
+# (TensorFlow 2.15 and 2.21, each in the v2 and the v1 behaviour), in turn,
+# so that the cases spread over every version and behaviour.
+# DEFERRED_GRAD_ALL_CONFIGURATIONS=1 (tools/soak sets it) runs every case in
+# every run.
+_ROTATING_MODULES = ('test_multi_worker.py',)
+# (TensorFlow: 2.15, or the newer one the runner tests; behaviour)
+_RUNS = (('2.15', 'v2'), ('2.15', 'v1'), ('2.16+', 'v2'), ('2.16+', 'v1'))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,19 +40,21 @@ def pytest_collection_modifyitems(config, items):
   if os.environ.get('DEFERRED_GRAD_ALL_CONFIGURATIONS', '') not in ('', '0'):
     return
   version = tuple(int(p) for p in behavior.tf.__version__.split('.')[:2])
+  this_run = ('2.15' if version <= (2, 15) else '2.16+', behavior.BEHAVIOR)
   index = 0
   for item in items:
-    if os.path.basename(str(item.fspath)) not in _ALTERNATING_MODULES:
+    if os.path.basename(str(item.fspath)) not in _ROTATING_MODULES:
       continue
-    # Estimator's exist on 2.15 alone: there they run in both passes.
-    if 'estimator' not in item.name:
-      runs_in = ('v2', 'v1')[(index + (version > (2, 15))) % 2]
-      index += 1
-      if runs_in != behavior.BEHAVIOR:
-        item.add_marker(pytest.mark.skip(reason=(
-            'worker processes: on TensorFlow %d.%d this case runs in the %s '
-            'pass (DEFERRED_GRAD_ALL_CONFIGURATIONS=1 runs it in both)' %
-            (version + (runs_in,)))))
+    # Estimator's exist on 2.15 alone: there they run in both behaviours.
+    if 'estimator' in item.name:
+      continue
+    runs_in = _RUNS[index % len(_RUNS)]
+    index += 1
+    if runs_in != this_run:
+      item.add_marker(pytest.mark.skip(reason=(
+          'worker processes: this case runs with TensorFlow %s in the %s '
+          'behaviour (DEFERRED_GRAD_ALL_CONFIGURATIONS=1 runs it in every '
+          'run)' % runs_in)))
 
 
 def pytest_report_header(config):

@@ -46,7 +46,7 @@ def test_bert_porting_example_trains_like_the_large_batch():
   assert difference < 1e-4, output
 
 
-@run_once_per_version
+@scripts.run_examples_once_per_version
 @pytest.mark.parametrize('example, flags, figures', [
     ('mirrored_example.py', ['--grad_steps=3', '--updates=4'], 1),
     ('multi_worker_example.py', ['--grad_steps=3', '--updates=3'], 2),

@@ -28,7 +28,7 @@ def _run(*args):
       universal_newlines=True, timeout=600)
 
 
-@scripts.run_once_per_version_in_v2
+@scripts.run_once_per_version
 @newest_tensorflow_only
 @pytest.mark.skipif(bool(GPUS), reason='this machine has a GPU')
 def test_without_a_gpu_it_checks_nothing_and_says_so(tmp_path):
@@ -38,7 +38,7 @@ def test_without_a_gpu_it_checks_nothing_and_says_so(tmp_path):
   assert not (tmp_path / 'gpu.md').exists()
 
 
-@scripts.run_once_per_version_in_v2
+@scripts.run_once_per_version
 @newest_tensorflow_only
 @pytest.mark.skipif(bool(shutil.which('nvidia-smi')),
                     reason='this machine has an NVIDIA driver')
@@ -54,7 +54,7 @@ def test_without_a_driver_the_wrapper_downloads_nothing(tmp_path):
   assert not (tmp_path / 'cache').exists()
 
 
-@scripts.run_once_per_version_in_v2
+@scripts.run_once_per_version
 @newest_tensorflow_only
 def test_its_parts_run_on_the_cpu(tmp_path):
   """The tests part and the memory part, on the CPU, at small sizes."""
