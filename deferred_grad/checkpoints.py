@@ -36,10 +36,9 @@ from tensorflow.python.training.saving import saveable_object_util
 # the wrapper}.
 _STATE = weakref.WeakKeyDictionary()
 _RENAMED = weakref.WeakKeyDictionary()
-# graph -> [(key, settings tensor, its first three values)] of its train ops.
+# graph -> [(key, settings tensor, its first three values, the policies)]
+# of its train ops (see `record_settings`).
 _SETTINGS = weakref.WeakKeyDictionary()
-# What the settings' values mean, in order (see `record_settings`).
-SETTINGS = ('grad_steps', 'micro_batch_weight', 'nonfinite_policy')
 
 
 def add_to_state(variable):
@@ -51,6 +50,12 @@ def add_to_state(variable):
   state = _STATE.setdefault(variable.graph, [])
   if not any(variable is known for known in state):
     state.append(variable)
+
+
+def _default_saveables(graph):
+  """What a `tf.compat.v1.train.Saver` given no var_list saves."""
+  return tf.compat.v1.global_variables() + graph.get_collection(
+      tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
 
 
 def state_variables(graph):
@@ -258,8 +263,7 @@ class Saver(tf.compat.v1.train.Saver):
     self._settings = list(_SETTINGS.get(graph, []))
     if self._var_list is None or isinstance(self._var_list, (list, tuple)):
       if self._var_list is None:
-        self._var_list = tf.compat.v1.global_variables() + (
-            graph.get_collection(tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS))
+        self._var_list = _default_saveables(graph)
       self._var_list = list(self._var_list) + [
           _SavedTensor(tensor, key) for key, tensor, _, _ in self._settings]
     super(Saver, self).build()
@@ -272,8 +276,7 @@ class Saver(tf.compat.v1.train.Saver):
     graph = tf.compat.v1.get_default_graph()
     names = saveable_object_util.op_list_to_dict(
         self._var_list if self._var_list is not None else
-        tf.compat.v1.global_variables() + graph.get_collection(
-            tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS))
+        _default_saveables(graph))
     settings = getattr(self, '_settings', [])
     self._settings_names = set(key for key, _, _, _ in settings) & set(names)
     names = {name: var for name, var in names.items()

@@ -169,9 +169,10 @@ class RowQueueAccumulator(object):
   only the rows the cycle looked up: each micro-step enqueues its ids and
   rows (divided by the cycle's length) in a queue on the worker, and the
   apply step takes them all, adds up the rows of equal ids and hands on an
-  `IndexedSlices` over every id touched. Memory and time O(rows looked up per cycle); nothing goes to
-  the parameter servers before the apply step. The queue is not saved:
-  a restarted worker starts a new cycle (see `placement`).
+  `IndexedSlices` over every id touched. Memory and time O(rows looked up
+  per cycle); nothing goes to the parameter servers before the apply step.
+  The queue is not saved: a restarted worker starts a new cycle (see
+  `placement`).
 
   Args:
     variable: the table (or one partition of it).

@@ -17,7 +17,7 @@ GPUS = tf.config.list_physical_devices('GPU')
 # tools/gpu_check installs the newest supported TensorFlow; the script is
 # checked there (its parts run in child processes of their own).
 newest_tensorflow_only = pytest.mark.skipif(
-    not tf.__version__.startswith('2.21.'),
+    not scripts.NEWEST_TENSORFLOW,
     reason='tools/gpu_check runs TensorFlow 2.21; checked with that one')
 
 
