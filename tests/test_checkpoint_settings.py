@@ -293,3 +293,39 @@ def test_under_mirrored_strategy_the_saver_resumes_or_refuses(grad_steps,
       second.micro_step(session, x[step], y[step])
     actual = session.run(second.variables)
   training.assert_same_training([actual], [expected])
+
+
+def _two_train_ops(second_grad_steps):
+  """Two wrappers on one variable: one counts global_step, one its own."""
+  graph = tf.Graph()
+  with graph.as_default():
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    v = tf.compat.v1.get_variable('v', initializer=[1.0, 2.0])
+    ops = []
+    for grad_steps, loss, step in [(K, tf.reduce_sum(v * v), global_step),
+                                   (second_grad_steps, tf.reduce_sum(v),
+                                    None)]:
+      opt = deferred_grad.GradientAggregationOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1), grad_steps)
+      ops.append(opt.minimize(loss, global_step=step))
+  return graph, ops
+
+
+def test_each_train_op_of_a_graph_has_its_settings_checked(tmp_path):
+  """Two wrappers' train ops, each one micro-step into its cycle: restored
+  as written they resume; the second with another grad_steps is refused."""
+  graph, ops = _two_train_ops(2)
+  with graph.as_default(), tf.compat.v1.Session() as session:
+    session.run(tf.compat.v1.global_variables_initializer())
+    session.run(ops)
+    path = deferred_grad.Saver().save(session, str(tmp_path / 'model'))
+  keys = {name for name, _ in tf.train.list_variables(path)}
+  assert {'GradientAggregationOptimizer/deferred_grad_settings',
+          'GradientAggregationOptimizer_1/deferred_grad_settings'} <= keys
+  graph, _ = _two_train_ops(2)
+  with graph.as_default(), tf.compat.v1.Session() as session:
+    deferred_grad.Saver().restore(session, path)
+  graph, _ = _two_train_ops(4)
+  with graph.as_default(), tf.compat.v1.Session() as session:
+    with pytest.raises(ValueError, match='grad_steps=2.*grad_steps=4'):
+      deferred_grad.Saver().restore(session, path)
