@@ -63,7 +63,7 @@ def _slot_name(opt, variable, owner):
       return SLOT_NAME + suffix, SLOT_OP_NAME + suffix
 
 
-def create_slot(opt, variable, dtype, owner=None):
+def create_slot(opt, variable, dtype, owner=None, columns=None):
   """Creates (or finds) `variable`'s accumulator slot, owned by `opt`.
 
   The slot belongs to the wrapped optimizer, as in the original, so that it
@@ -74,6 +74,8 @@ def create_slot(opt, variable, dtype, owner=None):
     variable: the variable whose gradient it accumulates.
     dtype: the accumulator's dtype, or None for the variable's.
     owner: the train op's state: each train op its own slot (`_slot_name`).
+    columns: None for a slot shaped like `variable`; else the width of a
+      list of rows (`tables.RowListAccumulator`), empty at first.
 
   Returns:
     The slot variable.
@@ -85,7 +87,13 @@ def create_slot(opt, variable, dtype, owner=None):
   # pylint: disable=protected-access
   dtype = dtype or variable.dtype.base_dtype
   slot_name, op_name = _slot_name(opt, variable, owner)
-  if variable.shape.is_fully_defined():
+  if columns is not None:
+    # No static shape: the list grows and shrinks (also to a restored
+    # dense accumulator's shape), and graph optimizers must not fold it.
+    empty = tf.compat.v1.placeholder_with_default(
+        tf.zeros([0, columns], dtype), None)
+    slot = opt._get_or_make_slot(variable, empty, slot_name, op_name)
+  elif variable.shape.is_fully_defined():
     slot = opt._get_or_make_slot_with_initializer(
         variable, zeros.run_time_zeros, variable.shape, dtype, slot_name,
         op_name)
@@ -161,8 +169,12 @@ class DenseAccumulator(object):
     SGD's kernel with learning rate -1/divisor: no temporary, one op per
     variable instead of two (`tools/benchmark --suites=step`).
     """
-    gradient = self._dense(gradient)
     variable = self.local
+    if isinstance(gradient, tf.IndexedSlices) and not compat.in_xla_context():
+      with tf.control_dependencies([tables.check_dense(variable)]):
+        gradient = self._dense(gradient)  # a table's (sparse_as_dense)
+    else:
+      gradient = self._dense(gradient)
     alpha = -divisor.reciprocal(variable.dtype.base_dtype)
     if compat.is_ref_variable(variable):
       return tf.raw_ops.ApplyGradientDescent(
@@ -207,7 +219,8 @@ class ShardedAccumulator(DenseAccumulator):
 
 
 def create(opt, variable, gradient, sparse, dtype=None,
-           num_partitions=None, in_xla=False, local=None, owner=None):
+           num_partitions=None, in_xla=False, local=None, owner=None,
+           replicas=1):
   """Creates `variable`'s accumulator of the kind its gradient needs.
 
   Args:
@@ -220,11 +233,13 @@ def create(opt, variable, gradient, sparse, dtype=None,
     in_xla: built inside an XLA computation (see `tables`).
     local: None, or a `placement.WorkerLocal` (variables on parameter
       servers): the accumulator is then the worker's own, not a slot.
+    replicas: the replicas in sync: with one, a table's accumulator is a
+      `tables.RowListAccumulator`.
     owner: the train op's state (see `create_slot`).
 
   Returns:
-    A `DenseAccumulator`, `ShardedAccumulator`, `tables.SparseAccumulator`
-    or `tables.RowQueueAccumulator`.
+    A `DenseAccumulator`, `ShardedAccumulator`, or one of `tables`'
+    `RowListAccumulator`, `SparseAccumulator`, `RowQueueAccumulator`.
   """
   arguments.check_accumulator_width(dtype, variable)
   table = sparse and isinstance(gradient, tf.IndexedSlices)
@@ -237,6 +252,13 @@ def create(opt, variable, gradient, sparse, dtype=None,
     return DenseAccumulator(local.variable(
         variable.op.name + '/' + SLOT_OP_NAME,
         lambda: zeros.run_time_zeros(shape, dtype), dtype))
+  if table and replicas == 1 and not in_xla:
+    dtype = dtype or variable.dtype.base_dtype
+    id_columns = tables.id_columns(variable, dtype)
+    if id_columns is not None:
+      slot = create_slot(opt, variable, dtype, owner,
+                         columns=id_columns + tables.row_width(variable))
+      return tables.RowListAccumulator(slot, variable, dtype)
   slot = create_slot(opt, variable, dtype, owner)
   if table:
     return tables.SparseAccumulator(slot, num_partitions, in_xla)
@@ -252,9 +274,10 @@ def create_all(opt, grads_and_vars, sparse, dtype=None,
   Per replica and saved as their sum under a multi-replica strategy (see
   `distribute.summed_on_save`).
   """
+  replicas = tf.distribute.get_strategy().num_replicas_in_sync
   with distribute.summed_on_save():
     return [create(opt, v, g, sparse, dtype, num_partitions,
-                   in_xla, local, owner) for g, v in grads_and_vars]
+                   in_xla, local, owner, replicas) for g, v in grads_and_vars]
 
 
 def reset_all(accumulators, gradients, after):

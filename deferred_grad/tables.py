@@ -1,17 +1,20 @@
 """Accumulators for tables: sparse gradients (`tf.IndexedSlices`) by row.
 
 A table's gradient touches the rows a micro-batch looked up, and so does
-its accumulator: no micro-step or apply step reads the whole table. Both
-kinds keep a queue of the rows looked up, on the host (queues have CPU
-kernels only):
+its accumulator: no micro-step or apply step reads the whole table, and in
+one process and on parameter-server workers no accumulator is as large as
+the table either:
 
-* `SparseAccumulator` (one process, `MirroredStrategy`): a table-sized slot
-  `<table>/GradientAccumulator`, as the original's, so that checkpoints hold
-  the partial sums; the queue records which rows were touched.
-* `RowQueueAccumulator` (parameter-server workers): the queue holds the rows
-  themselves, on the worker, and the apply step adds up those of equal ids.
+* `RowListAccumulator` (one replica): the slot `<table>/GradientAccumulator`
+  holds the cycle's rows themselves, each beside its id, so that memory
+  follows the rows looked up and checkpoints hold the partial sums.
+* `SparseAccumulator` (several replicas in one job, and inside XLA): a
+  table-sized slot, as the original's, saved as the replicas' sum; a queue
+  on the host records which rows were touched.
+* `RowQueueAccumulator` (parameter-server workers): the rows queue on the
+  worker, and the apply step adds up those of equal ids.
 
-Both have the interface of `accumulators`: `add`, `mark`, `read`, `reset`.
+All have the interface of `accumulators`: `add`, `mark`, `read`, `reset`.
 """
 
 from __future__ import absolute_import
@@ -37,6 +40,153 @@ def _host_queue(variable, suffix, dtypes, shapes, host):
 def _ids(gradient):
   """An IndexedSlices' row ids, flat, as int64."""
   return tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)
+
+
+def id_columns(variable, dtype):
+  """Columns of `dtype` that hold a row id in a `RowListAccumulator`, or None.
+
+  None where that kind cannot hold `variable`'s rows: a shape unknown at
+  graph build, or a dtype wider than an id (8 bytes).
+  """
+  if not variable.shape.is_fully_defined() or dtype.size > 8:
+    return None
+  return 8 // dtype.size
+
+
+def check_dense(variable):
+  """An op that makes sure `variable`, a dense table accumulator, is dense.
+
+  A restore takes any shape into a resource variable (that of a ref
+  variable fails on another shape), and a checkpoint of
+  one process holds a `RowListAccumulator`'s list of rows there: an empty
+  one (saved at a cycle's end) becomes zeros; a list of rows fails loudly
+  (several replicas would each get a share of it, ids and all, and a dense
+  kernel cannot tell).
+
+  Returns:
+    The op, to run before the accumulator is used.
+  """
+  if compat.is_ref_variable(variable):
+    return tf.no_op()  # a ref variable's restore checks the shape itself
+  shape = tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)
+  static = variable.shape.as_list()
+  name = variable.op.name.split('/replica_')[0]
+
+  def from_list():
+    empty = tf.debugging.assert_equal(
+        tf.reduce_prod(shape), tf.constant(0, tf.int64), message=(
+            '%s holds a list of the rows looked up, from a checkpoint written '
+            'mid-cycle with one replica and sparse_as_dense=False; with '
+            'several replicas or sparse_as_dense=True a table is accumulated '
+            'densely. Resume that checkpoint as it was written, or from one '
+            'written at a cycle\'s end.' % name))
+    with tf.control_dependencies([empty]):
+      # Not `assign`, which checks the shape the restore changed.
+      return tf.raw_ops.AssignVariableOp(
+          resource=variable.handle, validate_shape=False,
+          value=zeros.run_time_zeros(static, variable.dtype.base_dtype))
+
+  is_dense = tf.reduce_all(tf.equal(shape, tf.constant(static, tf.int64)))
+  return lazy_cond.cond(is_dense, tf.no_op, from_list)
+
+
+def row_width(variable):
+  """Elements in one row of `variable`."""
+  return variable.shape[1:].num_elements()
+
+
+class RowListAccumulator(object):
+  """A table's accumulator in memory proportional to the rows looked up.
+
+  The slot `<table>/GradientAccumulator` is a list of rows of shape
+  [rows looked up so far, id columns + row width]: each micro-step appends
+  the rows it looked up (divided by the divisor), each preceded by its int64
+  id, whose 8 bytes are bitcast into the first columns (`id_columns`): ids
+  and rows stay in one variable, under the original's name, so that every
+  Saver (also one given `tf.compat.v1.global_variables()`) saves the
+  partial sums. The apply step adds up the rows of equal ids and hands on
+  an `IndexedSlices` over every id looked up, also one whose sum is exactly
+  zero (a masked padding id), as the large batch's gradient; the reset
+  empties the list.
+
+  A checkpoint of the original (or of a version before this kind) holds
+  the table-sized dense accumulator under the same name: the first
+  micro-step after its restore converts it into the list of its non-zero
+  rows (a row touched before the save and summing to exactly zero is then
+  not handed on, once).
+
+  Args:
+    slot: the list variable, of unknown static shape (`create_slot`).
+    variable: the table (or one partition of it).
+    dtype: the accumulator's dtype.
+  """
+
+  def __init__(self, slot, variable, dtype):
+    self.slot = slot
+    self._dtype = dtype
+    self._dense_shape = variable.shape
+    self._id_columns = id_columns(variable, dtype)
+    self._columns = self._id_columns + row_width(variable)
+
+  def _pack(self, ids, rows):
+    ids = tf.reshape(tf.bitcast(ids, self._dtype), [-1, self._id_columns])
+    rows = tf.reshape(rows, [-1, self._columns - self._id_columns])
+    return tf.concat([ids, rows], 1)
+
+  @property
+  def local(self):
+    """This replica's component of the slot (the slot itself without one)."""
+    return compat.local_variable(self.slot)
+
+  def _rows(self):
+    """The list, converted from a dense accumulator a restore put there."""
+    value = self.local.read_value()
+    shape = tf.shape(value)
+    is_list = tf.logical_and(tf.equal(tf.size(shape), 2),
+                             tf.equal(shape[-1], self._columns))
+
+    def from_dense():
+      dense = tf.reshape(value, [-1, self._columns - self._id_columns])
+      ids = tf.reshape(tf.where(tf.reduce_any(tf.not_equal(dense, 0), 1)),
+                       [-1])
+      return self._pack(ids, tf.gather(dense, ids))
+
+    return lazy_cond.cond(
+        is_list, lambda: tf.reshape(value, [-1, self._columns]), from_dense)
+
+  def _assign(self, value):
+    local = self.local
+    if compat.is_ref_variable(local):
+      return tf.compat.v1.assign(local, value, validate_shape=False).op
+    return local.assign(value, read_value=False)
+
+  def add(self, gradient, divisor):
+    """Appends the rows looked up (/ `divisor`), each beside its id."""
+    rows = divisor.divide(tf.cast(gradient.values, self._dtype))
+    return self._assign(tf.concat(
+        [self._rows(), self._pack(_ids(gradient), rows)], 0))
+
+  def mark(self):
+    return tf.no_op()
+
+  def read(self, length):
+    """The cycle's rows, those of equal ids added up, as IndexedSlices."""
+    del length  # the list holds the cycle's rows
+    listed = self._rows()
+    ids = listed[:, :self._id_columns]
+    ids = tf.bitcast(ids if self._id_columns > 1 else ids[:, 0], tf.int64)
+    rows = tf.reshape(listed[:, self._id_columns:],
+                      [-1] + self._dense_shape[1:].as_list())
+    unique, positions = tf.unique(ids)
+    summed = tf.math.unsorted_segment_sum(rows, positions, tf.size(unique))
+    return tf.IndexedSlices(summed, unique,
+                            tf.constant(self._dense_shape.as_list(), tf.int64))
+
+  def reset(self, after, gradient, shared_zeros=None):
+    """Empties the list once `after` has run; returns the op."""
+    del gradient, shared_zeros
+    with tf.control_dependencies([after]):
+      return self._assign(tf.zeros([0, self._columns], self._dtype))
 
 
 class SparseAccumulator(object):
@@ -92,12 +242,12 @@ class SparseAccumulator(object):
     The cost does not grow with the table.
     """
     dtype = self.slot.dtype.base_dtype
-    added = self.local.scatter_add(
-        tf.IndexedSlices(
-            divisor.divide(tf.cast(gradient.values, dtype)),
-            gradient.indices))
-    if self._rows is None:
-      return added
+    if self._rows is None:  # inside XLA
+      return self.local.scatter_add(tf.IndexedSlices(
+          divisor.divide(tf.cast(gradient.values, dtype)), gradient.indices))
+    with tf.control_dependencies([check_dense(self.local)]):
+      added = self.local.scatter_add(tf.IndexedSlices(
+          divisor.divide(tf.cast(gradient.values, dtype)), gradient.indices))
     with tf.device(self._host):
       recorded = self._rows.enqueue_many([_ids(gradient)])
     return tf.group(added, recorded)

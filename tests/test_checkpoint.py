@@ -151,6 +151,13 @@ def test_restores_a_checkpoint_written_under_the_original_names(
              'projection/Momentum', 'table/GradientAccumulator',
              'projection/GradientAccumulator'}
     assert set(state) == names | ({'update_count'} if use_tpu else set())
+    # This version saves the rows looked up; the original saved the
+    # table-sized accumulator, which is what is written below.
+    listed = state['table/GradientAccumulator']
+    assert listed.shape[0] == (STOP_STEP % GRAD_STEPS) * models.MICRO_BATCH * (
+        models.IDS_PER_EXAMPLE)
+    state['table/GradientAccumulator'] = training.dense_accumulator(
+        listed, state['table'].shape)
     touched = np.any(state['table/GradientAccumulator'] != 0, axis=1)
     assert 0 < touched.sum() < models.TABLE_ROWS
   if use_tpu:

@@ -11,6 +11,8 @@ import pytest
 import tensorflow as tf
 
 import models
+import behavior
+import deferred_grad
 import training
 from models import make_embedding_data
 from training import assert_same_training
@@ -75,10 +77,15 @@ def test_untouched_rows_do_not_move():
   assert list(np.flatnonzero(moved)) == [models.TABLE_ROWS - 1]
 
 
-def test_micro_step_scatters_into_the_accumulator(use_tpu):
+def test_accumulator_holds_only_the_rows_looked_up(use_tpu):
+  """The table's accumulator lists the cycle's rows, not the whole table.
+
+  Each micro-step appends its looked-up rows (a dense add kernel would
+  write the whole table), and the apply step hands on their sums by id and
+  empties the list.
+  """
   trainer = Trainer(models.OPTIMIZERS['Adagrad'], GRAD_STEPS,
                     use_tpu=use_tpu, model='embedding')
-  scatter_types = ('ResourceScatterAdd', 'ScatterAdd')
   dense_add_types = ('ResourceApplyGradientDescent', 'ApplyGradientDescent')
   # Every node, in the graph and in the functions of control flow v2's
   # tf.cond branches.
@@ -86,12 +93,34 @@ def test_micro_step_scatters_into_the_accumulator(use_tpu):
   nodes = list(graph_def.node)
   for function in graph_def.library.function:
     nodes.extend(function.node_def)
-
-  accumulator = 'table/GradientAccumulator'
-  assert [n for n in nodes if n.op in scatter_types and
-          n.input[0] == accumulator]
   # One dense add kernel: the projection's (the table has none).
   assert len([n for n in nodes if n.op in dense_add_types]) == 1
+
+  table = trainer.variables['table']
+  accumulator = trainer.optimizer.get_slot(table, 'grad_accum')
+  with trainer.graph.as_default():
+    gradient = tf.convert_to_tensor(tf.compat.v1.gradients(trainer.loss,
+                                                           [table])[0])
+  x, y = make_embedding_data(1, GRAD_STEPS * models.MICRO_BATCH)
+  micro_batches = [(x[0][rows], y[0][rows]) for rows in (
+      slice(k * models.MICRO_BATCH, (k + 1) * models.MICRO_BATCH)
+      for k in range(GRAD_STEPS))]
+  expected = np.zeros([models.TABLE_ROWS, models.EMBEDDING_DIM], np.float32)
+  with trainer.session() as session:
+    for step, batch in enumerate(micro_batches[:-1]):
+      feed = dict(zip(trainer.inputs, batch))
+      expected += session.run(gradient, feed) / GRAD_STEPS
+      trainer.micro_step(session, *batch)
+      listed = session.run(accumulator)
+      ids, _ = training.listed_rows(listed, [models.EMBEDDING_DIM])
+      looked_up = np.concatenate([b[0].ravel() for b in
+                                  micro_batches[:step + 1]])
+      assert list(ids) == list(looked_up)
+      np.testing.assert_allclose(
+          training.dense_accumulator(listed, expected.shape), expected,
+          rtol=1e-6, atol=1e-7)
+    trainer.micro_step(session, *micro_batches[-1])
+    assert session.run(accumulator).shape == (0, 2 + models.EMBEDDING_DIM)
 
 
 def test_sparse_as_dense_is_the_original_dense_handoff(use_tpu):
@@ -154,8 +183,8 @@ def test_sharded_table_accumulator(use_tpu):
       make_optimizer, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu,
       model='embedding', xla_num_partitions=partitions)
   assert_same_training(actual, expected)
-  # The table accumulator is read once per cycle, on the apply step: that
-  # read keeps the rank-2 sharding (rows >= columns: dimension 0).
+  # Outside XLA the table's accumulator is a list of the rows looked up
+  # (see test_xla for the table's sharded dense read inside XLA).
   graph_def = graph.as_graph_def()
   nodes = list(graph_def.node)
   for function in graph_def.library.function:
@@ -166,8 +195,8 @@ def test_sharded_table_accumulator(use_tpu):
       proto = sharding.xla_sharding.xla_data_pb2.OpSharding()
       proto.ParseFromString(node.attr['sharding'].s)
       tiles.append(list(proto.tile_assignment_dimensions))
-  # projection [4, 3] (micro-step read) and table [24, 4] (apply read).
-  assert sorted(tiles) == [[partitions, 1], [partitions, 1]]
+  # projection [4, 3] (micro-step read).
+  assert sorted(tiles) == [[partitions, 1]]
 
 
 def _all_variables(graph, session):
@@ -249,3 +278,174 @@ def test_resume_mid_cycle_with_a_padding_row_is_exact(use_tpu, tmp_path):
       second.micro_step(session, *[b[step] for b in batches])
     resumed = session.run(second.variables)
   assert_same_training([resumed], [expected], rtol=0, atol=0)
+
+
+# --------------------------------------------------------- checkpoints --
+
+
+def _micro_batches(steps, rows_per_step):
+  x, y = make_embedding_data(1, steps * rows_per_step)
+  return [(x[0][k * rows_per_step:(k + 1) * rows_per_step],
+           y[0][k * rows_per_step:(k + 1) * rows_per_step])
+          for k in range(steps)]
+
+
+def _large_batch(make_optimizer, micro_batches):
+  """The bare optimizer's weights after one large batch per cycle."""
+  trainer = Trainer(make_optimizer, model='embedding')
+  with trainer.session() as session:
+    for start in range(0, len(micro_batches), GRAD_STEPS):
+      cycle = micro_batches[start:start + GRAD_STEPS]
+      trainer.micro_step(session, *[np.concatenate(parts)
+                                    for parts in zip(*cycle)])
+    return session.run(trainer.variables)
+
+
+def _save_after(trainer, micro_batches, path):
+  """Runs the micro-steps in a fresh session, saves; returns the weights."""
+  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
+    session.run(trainer.init_op)
+    for batch in micro_batches:
+      trainer.micro_step(session, *batch)
+    tf.compat.v1.train.Saver().save(session, path)
+    return session.run(trainer.variables)
+
+
+@pytest.mark.parametrize('topology', ['one_process', 'mirrored'])
+def test_resume_mid_cycle_matches_the_large_batch(topology, tmp_path):
+  """A job stopped mid-cycle resumes from a plain Saver's checkpoint."""
+  make_optimizer = models.OPTIMIZERS['Momentum']
+  rows = training.REPLICAS * models.MICRO_BATCH
+  batches = _micro_batches(CYCLES * GRAD_STEPS, rows)
+  expected = _large_batch(make_optimizer, batches)
+
+  def trainer():
+    if topology == 'mirrored':
+      return MirroredTrainer(make_optimizer, GRAD_STEPS, model='embedding')
+    return Trainer(make_optimizer, GRAD_STEPS, model='embedding')
+
+  stop = GRAD_STEPS + 1
+  path = str(tmp_path / 'model')
+  _save_after(trainer(), batches[:stop], path)
+  second = trainer()
+  with second.graph.as_default(), tf.compat.v1.Session() as session:
+    tf.compat.v1.train.Saver().restore(session, path)
+    for batch in batches[stop:]:
+      second.micro_step(session, *batch)
+    resumed = session.run(second.variables)
+  assert_same_training([resumed], [expected])
+
+
+def test_a_mid_cycle_checkpoint_restores_without_the_wrapper(tmp_path):
+  """For evaluation: the weights restore into a graph of the bare model."""
+  make_optimizer = models.OPTIMIZERS['Adagrad']
+  path = str(tmp_path / 'model')
+  batches = _micro_batches(GRAD_STEPS + 1, models.MICRO_BATCH)
+  weights = _save_after(
+      Trainer(make_optimizer, GRAD_STEPS, model='embedding'), batches, path)
+  bare = Trainer(make_optimizer, model='embedding')
+  with bare.graph.as_default(), tf.compat.v1.Session() as session:
+    tf.compat.v1.train.Saver().restore(session, path)
+    restored = session.run(bare.variables)
+  assert_same_training([restored], [weights], rtol=0, atol=0)
+  # A weight that moved: the restore did not just find the initial values.
+  assert not np.allclose(restored['table'],
+                         models._TABLE)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('restored', ['sparse_as_dense', 'mirrored'])
+@pytest.mark.parametrize('steps', [GRAD_STEPS, GRAD_STEPS + 1],
+                         ids=['cycle_end', 'mid_cycle'])
+def test_a_list_of_rows_restores_into_a_dense_accumulator_at_a_cycle_end(
+    restored, steps, tmp_path):
+  """One process saves a table's rows looked up; a dense accumulator
+  (sparse_as_dense=True, several replicas) takes an empty list (a cycle's
+  end) and trains on like the large batch, and refuses a list of rows."""
+  make_optimizer = models.OPTIMIZERS['Momentum']
+  path = str(tmp_path / 'model')
+  batches = _micro_batches(CYCLES * GRAD_STEPS,
+                           training.REPLICAS * models.MICRO_BATCH)
+  _save_after(Trainer(make_optimizer, GRAD_STEPS, model='embedding'),
+              batches[:steps], path)
+  if restored == 'mirrored':
+    second = MirroredTrainer(make_optimizer, GRAD_STEPS, model='embedding')
+  else:
+    second = Trainer(make_optimizer, GRAD_STEPS, model='embedding',
+                     sparse_as_dense=True)
+  # Ref variables check the shape on restore; resource variables (also a
+  # strategy's) restore into any shape, and the micro-step checks it.
+  ref_variables = behavior.BEHAVIOR == 'v1' and restored != 'mirrored'
+  with second.graph.as_default(), tf.compat.v1.Session() as session:
+    saver = tf.compat.v1.train.Saver()
+    if ref_variables:
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match='Assign requires shapes'):
+        saver.restore(session, path)
+      return
+    saver.restore(session, path)
+    if steps % GRAD_STEPS:
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match='table/GradientAccumulator holds a list of '
+                         'the rows looked up'):
+        second.micro_step(session, *batches[steps])
+      return
+    for batch in batches[steps:]:
+      second.micro_step(session, *batch)
+    resumed = session.run(second.variables)
+  expected = _large_batch(make_optimizer, batches)
+  if restored == 'sparse_as_dense':  # the large batch's dense gradient
+    expected = _large_batch(models.with_gradient_transform(
+        make_optimizer,
+        lambda pairs: [(tf.convert_to_tensor(g), v) for g, v in pairs]),
+                            batches)
+  assert_same_training([resumed], [expected])
+
+
+@pytest.mark.parametrize('dtype, accumulator_dtype, rows', [
+    (tf.float64, None, 5000),
+    (tf.float32, None, 2**24 + 3),
+    (tf.float16, None, 2**24 + 3),
+    (tf.bfloat16, None, 2**24 + 3),
+    (tf.float16, tf.float32, 2**24 + 3),
+])
+def test_ids_survive_every_dtype_of_the_list(dtype, accumulator_dtype, rows,
+                                             use_tpu):
+  """A row's id shares the list with its gradient, in its dtype's columns:
+  ids above what that dtype counts exactly (2**11 for float16, 2**24 for
+  float32) come back exactly, and SGD moves exactly the large batch's rows
+  by the mean gradient."""
+  rng = np.random.RandomState(0)
+  ids = [np.array([rows - 1, 5, rows - 2, 5]), np.array([rows - 1, 7]),
+         np.array([2**11 + 1, rows - 3, 5])]
+  values = [rng.uniform(-1, 1, size=[len(i), 1]) for i in ids]
+  with tf.Graph().as_default():
+    table = tf.compat.v1.get_variable(
+        'table', [rows, 1], dtype, initializer=tf.compat.v1.zeros_initializer())
+    step_ids = tf.compat.v1.placeholder(tf.int64, [None])
+    step_values = tf.compat.v1.placeholder(dtype, [None, 1])
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(1.0), len(ids),
+        use_tpu=use_tpu, accumulator_dtype=accumulator_dtype)
+    train_op = optimizer.apply_gradients([(tf.IndexedSlices(
+        step_values, step_ids, tf.constant([rows, 1], tf.int64)), table)])
+    accumulator = optimizer.get_slot(table, 'grad_accum')
+    touched = sorted(set(np.concatenate(ids)))
+    as_float64 = tf.cast(step_values, tf.float64)
+    expected = np.zeros([rows, 1])
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for step, (step_id, step_value) in enumerate(zip(ids, values)):
+        feed = {step_ids: step_id, step_values: step_value}
+        # What the wrapper adds up: each micro-step's values in `dtype`.
+        np.add.at(expected, step_id,
+                  session.run(as_float64, feed) / len(ids))
+        session.run(train_op, feed)
+        if step < len(ids) - 1:  # the list holds every id looked up so far
+          listed = session.run(accumulator)
+          assert list(training.listed_rows(listed, [1])[0]) == list(
+              np.concatenate(ids[:step + 1]))
+      actual = session.run(tf.cast(tf.gather(table, touched), tf.float64))
+      moved = session.run(tf.math.count_nonzero(table))
+  np.testing.assert_allclose(actual, -expected[touched],
+                             rtol=1e-2 if dtype.size == 2 else 1e-6)
+  assert moved == len(touched)

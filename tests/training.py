@@ -55,6 +55,7 @@ class Trainer(object):
           for dtype, shape in input_specs
       ]
       loss, self.variables = loss_fn(*self.inputs, **(model_kwargs or {}))
+      self.loss = loss
       if step_tensor == 'auto' and grad_steps is not None:
         step_tensor = deferred_grad.applied_updates(self.global_step,
                                                     grad_steps)
@@ -181,3 +182,23 @@ def assert_same_training(actual, expected, rtol=RTOL, atol=ATOL):
 
 def assert_weights_moved(before, after):
   assert any(not np.array_equal(before[n], after[n]) for n in before)
+
+
+def listed_rows(value, row_shape):
+  """(ids, rows) of a table's accumulator list (`tables.RowListAccumulator`).
+
+  Each row of `value` is an int64 id, its 8 bytes in the first columns,
+  then the row's accumulated gradient.
+  """
+  value = np.asarray(value)
+  id_columns = 8 // value.dtype.itemsize
+  ids = np.ascontiguousarray(value[:, :id_columns]).view(np.int64)[:, 0]
+  return ids, value[:, id_columns:].reshape((-1,) + tuple(row_shape))
+
+
+def dense_accumulator(value, shape):
+  """The original's table-sized accumulator holding the same partial sums."""
+  ids, rows = listed_rows(value, shape[1:])
+  dense = np.zeros(shape, value.dtype)
+  np.add.at(dense, ids, rows)
+  return dense

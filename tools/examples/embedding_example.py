@@ -5,33 +5,31 @@ gradients from `tf.nn.embedding_lookup`) with Adagrad, as micro-batches
 through the wrapper and as the large batch with the bare optimizer, and
 prints the largest difference between the two tables (round-off).
 
-Each micro-step scatter-adds the rows it looked up into the table's
-accumulator (one row per looked-up id; duplicates add up) and records their
-ids in a queue beside it. The apply step takes the recorded ids, removes
-duplicates, and gathers, hands on and zeroes only those rows: no step reads
-the whole table, so a cycle costs the same for 10k or 10M rows
-(`tools/benchmark --suites=sparse`: 0.58 ms per micro-step at 10k rows and
-at 10M, where the original's dense accumulation took 24 ms per micro-step
-at 1M rows). The wrapped optimizer receives a `tf.IndexedSlices` over every
+In one process the table's accumulator (`<table>/GradientAccumulator`) is
+a list of the rows the cycle looked up, each beside its id: each micro-step
+appends its rows (one per looked-up id), and the apply step adds up those
+of equal ids and empties the list. No step reads the whole table, and the
+accumulator's memory follows the rows looked up, not the table
+(`tools/benchmark --suites=sparse`, README "Performance"). The wrapped
+optimizer receives a `tf.IndexedSlices` over every
 row the cycle touched, also a row whose gradient summed to exactly zero (a
 masked padding id), and applies its own sparse update as it would to the
 large batch's gradient: RMSProp and Adadelta decay that row's slots, Ftrl
 and the proximal optimizers shrink it, Momentum moves it by its momentum
 (tested for each, every slot compared).
 
-- The record is a queue, not a variable: checkpoints keep the original's
-  format and need no initializer. A session that has not seen a whole cycle
-  (restored mid-cycle) falls back once, on that cycle's apply step, to a
-  full read: it hands on the rows whose sum is non-zero plus the rows it
-  recorded itself, so only a row touched only before the restore and
-  summing to exactly zero is left out of that one update. Nothing reads the
-  accumulator densely, so the scatters do not make the apply step copy it
-  (TensorFlow's copy-on-read mode). With xla_num_partitions the table
-  accumulator's full read carries the rank-2 sharding.
-- Memory: the accumulator is one more table-sized variable (10M x 64
-  float32: 2.5 GB); accumulators in proportion to the rows touched are not
-  built yet. On parameter-server workers no table-sized copy is made (see
-  parameter_server_example.py).
+- Checkpoints: the list is a variable under the original's name, so every
+  Saver saves the partial sums (ids in its first columns, bitcast) and a
+  job stopped mid-cycle resumes exactly. The original's checkpoints, which
+  hold a table-sized accumulator there, restore too: the first micro-step
+  turns it into the list of its non-zero rows. A checkpoint of one process
+  does not restore under MirroredStrategy, whose accumulator is dense (the
+  restore fails, naming `<table>/GradientAccumulator`).
+- Under MirroredStrategy each replica's accumulator is still one more
+  table-sized variable (10M x 64 float32: 2.5 GB), saved as the replicas'
+  sum; a queue on the host records each replica's rows, so that the apply
+  step touches those only. On parameter-server workers no table-sized copy
+  is made either (see parameter_server_example.py).
 - `sparse_as_dense=True` restores the original's behaviour: sparse gradients
   densified into the accumulator every micro-step and handed on dense. With
   `apply_crs_to_grad=True` sparse gradients are always handled densely (a
@@ -42,7 +40,7 @@ and the proximal optimizers shrink it, Momentum moves it by its momentum
   summed, as in the dense gradient (`tf.clip_by_global_norm` on an
   IndexedSlices counts a repeated id's rows separately).
 - Partitioned tables (`fixed_size_partitioner`) and several tables work the
-  same way; under MirroredStrategy each replica records its own rows.
+  same way, each partition its own list.
 
   python tools/examples/embedding_example.py --grad_steps=4 --rows=100000
 """
