@@ -99,15 +99,18 @@ class RowListAccumulator(object):
   """A table's accumulator in memory proportional to the rows looked up.
 
   The slot `<table>/GradientAccumulator` is a list of rows of shape
-  [rows looked up so far, id columns + row width]: each micro-step appends
-  the rows it looked up (divided by the divisor), each preceded by its int64
-  id, whose 8 bytes are bitcast into the first columns (`id_columns`): ids
-  and rows stay in one variable, under the original's name, so that every
-  Saver (also one given `tf.compat.v1.global_variables()`) saves the
-  partial sums. The apply step adds up the rows of equal ids and hands on
-  an `IndexedSlices` over every id looked up, also one whose sum is exactly
-  zero (a masked padding id), as the large batch's gradient; the reset
-  empties the list.
+  [rows looked up so far, id columns + row width], each row an int64 id,
+  its 8 bytes bitcast into the first columns (`id_columns`), then the
+  accumulated gradient of that row: ids and rows stay in one variable,
+  under the original's name, so that every Saver (also one given
+  `tf.compat.v1.global_variables()`) saves the partial sums. Each micro-step
+  adds its rows (divided by the divisor) into the list by id, new ids
+  appended in the order they come: the list holds each id once, so that it
+  is never longer than the table, whatever a cycle looks up, and the sums
+  are added in the order a dense accumulator adds them. The apply step
+  hands the list on as an `IndexedSlices` over every id looked up, also
+  one whose sum is exactly zero (a masked padding id), as the large
+  batch's gradient; the reset empties it.
 
   A checkpoint of the original (or of a version before this kind) holds
   the table-sized dense accumulator under the same name: the first
@@ -160,26 +163,33 @@ class RowListAccumulator(object):
       return tf.compat.v1.assign(local, value, validate_shape=False).op
     return local.assign(value, read_value=False)
 
+  def _unpack(self, listed):
+    """(int64 ids, rows as [n, row width]) of a list."""
+    ids = listed[:, :self._id_columns]
+    ids = tf.bitcast(ids if self._id_columns > 1 else ids[:, 0], tf.int64)
+    return ids, listed[:, self._id_columns:]
+
   def add(self, gradient, divisor):
-    """Appends the rows looked up (/ `divisor`), each beside its id."""
+    """Adds the rows looked up (/ `divisor`) into the list, by id."""
+    listed_ids, listed_rows = self._unpack(self._rows())
     rows = divisor.divide(tf.cast(gradient.values, self._dtype))
-    return self._assign(tf.concat(
-        [self._rows(), self._pack(_ids(gradient), rows)], 0))
+    ids = tf.concat([listed_ids, _ids(gradient)], 0)
+    rows = tf.concat([listed_rows, tf.reshape(
+        rows, [-1, self._columns - self._id_columns])], 0)
+    # An id's sum so far comes first, then this micro-step's rows in order.
+    unique, positions = tf.unique(ids)
+    summed = tf.math.unsorted_segment_sum(rows, positions, tf.size(unique))
+    return self._assign(self._pack(unique, summed))
 
   def mark(self):
     return tf.no_op()
 
   def read(self, length):
-    """The cycle's rows, those of equal ids added up, as IndexedSlices."""
+    """The cycle's rows (each id once), as IndexedSlices."""
     del length  # the list holds the cycle's rows
-    listed = self._rows()
-    ids = listed[:, :self._id_columns]
-    ids = tf.bitcast(ids if self._id_columns > 1 else ids[:, 0], tf.int64)
-    rows = tf.reshape(listed[:, self._id_columns:],
-                      [-1] + self._dense_shape[1:].as_list())
-    unique, positions = tf.unique(ids)
-    summed = tf.math.unsorted_segment_sum(rows, positions, tf.size(unique))
-    return tf.IndexedSlices(summed, unique,
+    ids, rows = self._unpack(self._rows())
+    rows = tf.reshape(rows, [-1] + self._dense_shape[1:].as_list())
+    return tf.IndexedSlices(rows, ids,
                             tf.constant(self._dense_shape.as_list(), tf.int64))
 
   def reset(self, after, gradient, shared_zeros=None):

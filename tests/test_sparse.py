@@ -80,9 +80,9 @@ def test_untouched_rows_do_not_move():
 def test_accumulator_holds_only_the_rows_looked_up(use_tpu):
   """The table's accumulator lists the cycle's rows, not the whole table.
 
-  Each micro-step appends its looked-up rows (a dense add kernel would
-  write the whole table), and the apply step hands on their sums by id and
-  empties the list.
+  Each micro-step adds its looked-up rows into the list by id, each id
+  once (a dense add kernel would write the whole table), and the apply step
+  hands them on and empties the list.
   """
   trainer = Trainer(models.OPTIMIZERS['Adagrad'], GRAD_STEPS,
                     use_tpu=use_tpu, model='embedding')
@@ -115,7 +115,7 @@ def test_accumulator_holds_only_the_rows_looked_up(use_tpu):
       ids, _ = training.listed_rows(listed, [models.EMBEDDING_DIM])
       looked_up = np.concatenate([b[0].ravel() for b in
                                   micro_batches[:step + 1]])
-      assert list(ids) == list(looked_up)
+      assert list(ids) == training.first_appearances(looked_up)
       np.testing.assert_allclose(
           training.dense_accumulator(listed, expected.shape), expected,
           rtol=1e-6, atol=1e-7)
@@ -442,8 +442,8 @@ def test_ids_survive_every_dtype_of_the_list(dtype, accumulator_dtype, rows,
         session.run(train_op, feed)
         if step < len(ids) - 1:  # the list holds every id looked up so far
           listed = session.run(accumulator)
-          assert list(training.listed_rows(listed, [1])[0]) == list(
-              np.concatenate(ids[:step + 1]))
+          assert list(training.listed_rows(listed, [1])[0]) == (
+              training.first_appearances(np.concatenate(ids[:step + 1])))
       actual = session.run(tf.cast(tf.gather(table, touched), tf.float64))
       moved = session.run(tf.math.count_nonzero(table))
   np.testing.assert_allclose(actual, -expected[touched],
