@@ -100,17 +100,18 @@ class RowListAccumulator(object):
 
   The slot `<table>/GradientAccumulator` is a list of rows of shape
   [rows looked up so far, id columns + row width], each row an int64 id,
-  its 8 bytes bitcast into the first columns (`id_columns`), then the
-  accumulated gradient of that row: ids and rows stay in one variable,
-  under the original's name, so that every Saver (also one given
-  `tf.compat.v1.global_variables()`) saves the partial sums. Each micro-step
-  adds its rows (divided by the divisor) into the list by id, new ids
-  appended in the order they come: the list holds each id once, so that it
-  is never longer than the table, whatever a cycle looks up, and the sums
-  are added in the order a dense accumulator adds them. The apply step
-  hands the list on as an `IndexedSlices` over every id looked up, also
-  one whose sum is exactly zero (a masked padding id), as the large
-  batch's gradient; the reset empties it.
+  its 8 bytes bitcast into the first columns (`id_columns`), then that
+  row's gradient: ids and rows stay in one variable, under the original's
+  name, so that every Saver (also one given
+  `tf.compat.v1.global_variables()`) saves the partial sums. Each
+  micro-step appends its rows (divided by the divisor): one concat, the
+  cost of a micro-step not growing with the table. A list longer than the
+  table (a small vocabulary under large batches) is first added up by id,
+  so that it never holds more than the table's rows and one micro-step's.
+  The apply step adds up the rows of equal ids, in the order a dense
+  accumulator adds them, and hands on an `IndexedSlices` over every id
+  looked up, also one whose sum is exactly zero (a masked padding id), as
+  the large batch's gradient; the reset empties the list.
 
   A checkpoint of the original (or of a version before this kind) holds
   the table-sized dense accumulator under the same name: the first
@@ -142,11 +143,15 @@ class RowListAccumulator(object):
     return compat.local_variable(self.slot)
 
   def _rows(self):
-    """The list, converted from a dense accumulator a restore put there."""
+    """The list: converted from a dense accumulator a restore put there,
+    added up by id where it is longer than the table."""
     value = self.local.read_value()
-    shape = tf.shape(value)
+    shape = tf.shape(value, out_type=tf.int64)
     is_list = tf.logical_and(tf.equal(tf.size(shape), 2),
                              tf.equal(shape[-1], self._columns))
+    short = tf.logical_and(
+        is_list, shape[0] <= self._dense_shape.as_list()[0])
+    listed = lambda: tf.reshape(value, [-1, self._columns])
 
     def from_dense():
       dense = tf.reshape(value, [-1, self._columns - self._id_columns])
@@ -154,8 +159,18 @@ class RowListAccumulator(object):
                        [-1])
       return self._pack(ids, tf.gather(dense, ids))
 
-    return lazy_cond.cond(
-        is_list, lambda: tf.reshape(value, [-1, self._columns]), from_dense)
+    def long_or_dense():
+      return lazy_cond.cond(is_list, lambda: self._summed(listed()),
+                            from_dense)
+
+    return lazy_cond.cond(short, listed, long_or_dense)
+
+  def _summed(self, listed):
+    """`listed` with the rows of equal ids added up, in their order."""
+    ids, rows = self._unpack(listed)
+    unique, positions = tf.unique(ids)
+    return self._pack(unique, tf.math.unsorted_segment_sum(
+        rows, positions, tf.size(unique)))
 
   def _assign(self, value):
     local = self.local
@@ -170,24 +185,18 @@ class RowListAccumulator(object):
     return ids, listed[:, self._id_columns:]
 
   def add(self, gradient, divisor):
-    """Adds the rows looked up (/ `divisor`) into the list, by id."""
-    listed_ids, listed_rows = self._unpack(self._rows())
+    """Appends the rows looked up (/ `divisor`), each beside its id."""
     rows = divisor.divide(tf.cast(gradient.values, self._dtype))
-    ids = tf.concat([listed_ids, _ids(gradient)], 0)
-    rows = tf.concat([listed_rows, tf.reshape(
-        rows, [-1, self._columns - self._id_columns])], 0)
-    # An id's sum so far comes first, then this micro-step's rows in order.
-    unique, positions = tf.unique(ids)
-    summed = tf.math.unsorted_segment_sum(rows, positions, tf.size(unique))
-    return self._assign(self._pack(unique, summed))
+    return self._assign(tf.concat(
+        [self._rows(), self._pack(_ids(gradient), rows)], 0))
 
   def mark(self):
     return tf.no_op()
 
   def read(self, length):
-    """The cycle's rows (each id once), as IndexedSlices."""
+    """The cycle's rows, those of equal ids added up, as IndexedSlices."""
     del length  # the list holds the cycle's rows
-    ids, rows = self._unpack(self._rows())
+    ids, rows = self._unpack(self._summed(self._rows()))
     rows = tf.reshape(rows, [-1] + self._dense_shape[1:].as_list())
     return tf.IndexedSlices(rows, ids,
                             tf.constant(self._dense_shape.as_list(), tf.int64))

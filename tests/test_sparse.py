@@ -80,9 +80,9 @@ def test_untouched_rows_do_not_move():
 def test_accumulator_holds_only_the_rows_looked_up(use_tpu):
   """The table's accumulator lists the cycle's rows, not the whole table.
 
-  Each micro-step adds its looked-up rows into the list by id, each id
-  once (a dense add kernel would write the whole table), and the apply step
-  hands them on and empties the list.
+  Each micro-step appends its looked-up rows (a dense add kernel would
+  write the whole table), and the apply step hands on their sums by id and
+  empties the list.
   """
   trainer = Trainer(models.OPTIMIZERS['Adagrad'], GRAD_STEPS,
                     use_tpu=use_tpu, model='embedding')
@@ -115,7 +115,7 @@ def test_accumulator_holds_only_the_rows_looked_up(use_tpu):
       ids, _ = training.listed_rows(listed, [models.EMBEDDING_DIM])
       looked_up = np.concatenate([b[0].ravel() for b in
                                   micro_batches[:step + 1]])
-      assert list(ids) == training.first_appearances(looked_up)
+      assert list(ids) == list(looked_up)
       np.testing.assert_allclose(
           training.dense_accumulator(listed, expected.shape), expected,
           rtol=1e-6, atol=1e-7)
@@ -336,6 +336,38 @@ def test_resume_mid_cycle_matches_the_large_batch(topology, tmp_path):
   assert_same_training([resumed], [expected])
 
 
+def test_monitored_training_session_resumes_mid_cycle(tmp_path):
+  """Its sharded Saver keeps the list of rows; the resumed job trains
+  like the large batch."""
+  make_optimizer = models.OPTIMIZERS['Adagrad']
+  batches = _micro_batches(CYCLES * GRAD_STEPS, models.MICRO_BATCH)
+  expected = _large_batch(make_optimizer, batches)
+  checkpoint_dir = str(tmp_path)
+
+  def train_until(last_step):
+    trainer = Trainer(make_optimizer, GRAD_STEPS, model='embedding')
+    with trainer.graph.as_default():
+      hooks = [tf.compat.v1.train.StopAtStepHook(last_step=last_step)]
+      with tf.compat.v1.train.MonitoredTrainingSession(
+          checkpoint_dir=checkpoint_dir, hooks=hooks,
+          save_checkpoint_steps=GRAD_STEPS + 1, save_summaries_steps=None,
+          save_summaries_secs=None, log_step_count_steps=None) as session:
+        step = session.run(trainer.global_step)
+        while not session.should_stop():
+          trainer.micro_step(session, *batches[step])
+          step += 1
+      return step
+
+  assert train_until(GRAD_STEPS + 1) == GRAD_STEPS + 1
+  listed = tf.train.load_variable(checkpoint_dir, 'table/GradientAccumulator')
+  assert listed.shape == (batches[GRAD_STEPS][0].size,
+                          2 + models.EMBEDDING_DIM)
+  assert train_until(len(batches)) == len(batches)
+  resumed = {name: tf.train.load_variable(checkpoint_dir, name)
+             for name in expected}
+  assert_same_training([resumed], [expected])
+
+
 def test_a_mid_cycle_checkpoint_restores_without_the_wrapper(tmp_path):
   """For evaluation: the weights restore into a graph of the bare model."""
   make_optimizer = models.OPTIMIZERS['Adagrad']
@@ -442,10 +474,57 @@ def test_ids_survive_every_dtype_of_the_list(dtype, accumulator_dtype, rows,
         session.run(train_op, feed)
         if step < len(ids) - 1:  # the list holds every id looked up so far
           listed = session.run(accumulator)
-          assert list(training.listed_rows(listed, [1])[0]) == (
-              training.first_appearances(np.concatenate(ids[:step + 1])))
+          assert list(training.listed_rows(listed, [1])[0]) == list(
+              np.concatenate(ids[:step + 1]))
       actual = session.run(tf.cast(tf.gather(table, touched), tf.float64))
       moved = session.run(tf.math.count_nonzero(table))
   np.testing.assert_allclose(actual, -expected[touched],
                              rtol=1e-2 if dtype.size == 2 else 1e-6)
   assert moved == len(touched)
+
+
+@pytest.mark.parametrize('optimizer', ['Adagrad', 'Ftrl'])
+def test_a_list_longer_than_the_table_is_added_up(optimizer, use_tpu):
+  """Large batches on a small vocabulary: the list stays within the
+  table's rows and one micro-step's, and trains like the large batch."""
+  rows, per_step, grad_steps = 5, 12, 4
+  rng = np.random.RandomState(3)
+  ids = rng.randint(0, rows, size=[2 * grad_steps, per_step])
+  ids[:, 0] = rows - 1  # looked up on every micro-step
+  targets = rng.uniform(-1, 1, size=[2 * grad_steps, per_step, 2])
+
+  def build(grad_steps_or_none):
+    graph = tf.Graph()
+    with graph.as_default():
+      table = tf.compat.v1.get_variable(
+          'table', initializer=np.full([rows, 2], 0.5, np.float32))
+      step_ids = tf.compat.v1.placeholder(tf.int32, [None])
+      step_y = tf.compat.v1.placeholder(tf.float32, [None, 2])
+      loss = tf.reduce_mean(tf.square(
+          tf.nn.embedding_lookup(table, step_ids) * step_y - 1.0))
+      opt = models.OPTIMIZERS[optimizer](None)
+      if grad_steps_or_none:
+        opt = deferred_grad.GradientAggregationOptimizer(
+            opt, grad_steps_or_none, use_tpu=use_tpu)
+      train_op = opt.minimize(loss)
+      init = tf.compat.v1.global_variables_initializer()
+    return graph, table, step_ids, step_y, train_op, init, opt
+
+  graph, table, step_ids, step_y, train_op, init, opt = build(grad_steps)
+  accumulator = opt.get_slot(table, 'grad_accum')
+  with tf.compat.v1.Session(graph=graph) as session:
+    session.run(init)
+    for step in range(len(ids)):
+      session.run(train_op, {step_ids: ids[step], step_y: targets[step]})
+      length = session.run(accumulator).shape[0]
+      assert length <= rows + per_step
+    actual = session.run(table)
+  graph, table, step_ids, step_y, train_op, init, _ = build(None)
+  with tf.compat.v1.Session(graph=graph) as session:
+    session.run(init)
+    for cycle in range(2):
+      part = slice(cycle * grad_steps, (cycle + 1) * grad_steps)
+      session.run(train_op, {step_ids: ids[part].ravel(),
+                             step_y: targets[part].reshape(-1, 2)})
+    expected = session.run(table)
+  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)

@@ -1,9 +1,9 @@
 """Suite `sparse`: embedding tables of growing size.
 
 Tables of 10k, 1M and 10M rows by 64 (float32; 10M rows is 2.5 GB), 256
-looked-up ids per micro-step, SGD, K = --grad_steps. Each (table, variant)
-runs in a fresh process, one after another in one run, so that its peak
-memory is its own:
+looked-up ids per micro-step, SGD (--sparse_optimizer=adagrad: Adagrad), K =
+--grad_steps. Each (table, variant) runs in a fresh process, one after
+another in one run, so that its peak memory is its own:
 
   bare      the bare optimizer's sparse step;
   wrapper   whole cycles through the wrapper: the accumulate-only
@@ -17,19 +17,21 @@ Results (TensorFlow 2.21, 2 cores, K = 8; ms; RSS after training = peak),
 with a table's accumulator a list of the rows looked up:
 
   rows x 64    accumulate-only  vs 10k  apply  cycle per micro-step  vs 10k  bare   original  RSS wrapper/bare MB
-  10,000       0.422            1.00x   1.453  0.575                 1.00x   0.348  0.976     553 / 542
-  1,000,000    0.504            1.20x   2.084  0.726                 1.26x   0.342  155.4     1032 / 1024
-  10,000,000   0.774            1.83x   3.402  1.195                 2.08x   0.525  not run   5428 / 5418
+  10,000       0.451            1.00x   1.955  0.718                 1.00x   0.375  0.846     552 / 542
+  1,000,000    0.536            1.19x   2.565  0.790                 1.10x   0.504  161.9     1036 / 1024
+  10,000,000   0.509            1.13x   2.279  0.785                 1.09x   0.400  not run   5429 / 5419
 
 Memory: the wrapper's RSS after training is the bare optimizer's plus
 0.4% of one table at 10M rows (the accumulator lists at most K x 256 rows;
 before it was one more table-sized variable: 10,815 MB against 5,670).
-Time: the whole cycle per micro-step is 1.65x-2.3x the bare SGD step
-(target 1.1x, not met): each micro-step appends its rows, and the apply
-step adds up those of equal ids, hands them on and empties the list, on
-top of the session's per-run cost. This VM's timings vary by up to 1.6x
-between runs of one variant (the bare step took 0.23-0.40 ms at 10k rows
-in one hour); RSS does not.
+Time: the whole cycle per micro-step is 1.6x-2.0x the bare SGD step (target
+1.1x, not met): each micro-step appends its rows, and the apply step adds up
+those of equal ids, hands them on and empties the list, on top of the
+session's per-run cost. (Adding up by id on every micro-step, which bounds
+the list by the table, took 0.8-1.2 ms a micro-step: the list adds up only
+when longer than the table.) This VM's timings vary by up to 1.6x between
+runs of one variant (the bare step took 0.23-0.40 ms at 10k rows in one
+hour); RSS does not.
 """
 
 import json
@@ -44,6 +46,8 @@ common.flags.DEFINE_list('table_rows', ['10000', '1000000', '10000000'],
                          'Sparse suite: embedding table sizes.')
 common.flags.DEFINE_integer('sparse_cycles', 12,
                             'Sparse suite: timed cycles per variant.')
+common.flags.DEFINE_enum('sparse_optimizer', 'sgd', ['sgd', 'adagrad'],
+                         'Sparse suite: the optimizer (wrapped and bare).')
 
 IDS_PER_STEP, DIM = 256, 64
 ORIGINAL_MAX_ROWS = 1000000
@@ -57,14 +61,17 @@ def _graph(tf, rows, variant, grad_steps):
   ids = tf.compat.v1.placeholder(tf.int32, [IDS_PER_STEP])
   loss = tf.reduce_sum(tf.square(tf.nn.embedding_lookup(table, ids) - 1.0))
   global_step = tf.compat.v1.train.get_or_create_global_step()
-  sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+  if FLAGS.sparse_optimizer == 'adagrad':
+    optimizer = tf.compat.v1.train.AdagradOptimizer(0.1)
+  else:
+    optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
   if variant == 'bare':
-    return sgd.minimize(loss, global_step=global_step), ids
+    return optimizer.minimize(loss, global_step=global_step), ids
   if variant == 'wrapper':
     return deferred_grad.GradientAggregationOptimizer(
-        sgd, grad_steps=grad_steps).minimize(loss, global_step=global_step), ids
+        optimizer, grad_steps=grad_steps).minimize(loss, global_step=global_step), ids
   # The original module's dense accumulation of IndexedSlices (no apply).
-  (grad, _), = sgd.compute_gradients(loss, [table])
+  (grad, _), = optimizer.compute_gradients(loss, [table])
   accumulator = tf.compat.v1.get_variable(
       'accumulator', [rows, DIM],
       initializer=tf.compat.v1.zeros_initializer(), trainable=False)
@@ -122,7 +129,8 @@ def run():
       measured[variant] = common.run_child(
           'sparse', '%d,%s' % (rows, variant),
           '--grad_steps=%d' % FLAGS.grad_steps,
-          '--sparse_cycles=%d' % FLAGS.sparse_cycles)
+          '--sparse_cycles=%d' % FLAGS.sparse_cycles,
+          '--sparse_optimizer=%s' % FLAGS.sparse_optimizer)
     results.append({'rows': rows, 'grad_steps': FLAGS.grad_steps,
                     'ms': measured})
     print('sparse: %d rows: %s' % (rows, measured), flush=True)
@@ -147,7 +155,8 @@ def run():
   table = common.markdown(
       ['table rows x 64', 'accumulate-only step (ms)', 'vs smallest',
        'apply step (ms)', 'whole cycle of %d, per micro-step (ms)' %
-       FLAGS.grad_steps, 'vs smallest', 'bare SGD step (ms)',
+       FLAGS.grad_steps, 'vs smallest',
+       'bare %s step (ms)' % FLAGS.sparse_optimizer,
        'original\'s dense accumulate (ms)',
        'RSS after training, wrapper / bare (MB)',
        'peak RSS, wrapper / bare (MB)'], rows_out)

@@ -6,16 +6,17 @@ through the wrapper and as the large batch with the bare optimizer, and
 prints the largest difference between the two tables (round-off).
 
 In one process the table's accumulator (`<table>/GradientAccumulator`) is a
-list of the rows the cycle looked up, each id once beside its row's sum:
-each micro-step adds its rows into it by id (duplicates add up, new ids are
-appended), and the apply step hands it on and empties it. No step reads the
-whole table, and the accumulator's memory follows the distinct rows looked
-up, at most the table's plus its ids (`tools/benchmark --suites=sparse`,
-README "Performance"). The wrapped optimizer receives a `tf.IndexedSlices`
-over every row the cycle touched, also a row whose gradient summed to
-exactly zero (a masked padding id), and applies its own sparse update as it
-would to the large batch's gradient: RMSProp and Adadelta decay that row's
-slots, Ftrl and the proximal optimizers shrink it, Momentum moves it by its
+list of the rows the cycle looked up, each beside its id: each micro-step
+appends its rows (one per looked-up id), and the apply step adds up those of
+equal ids, hands them on and empties the list; a list longer than the table
+is added up by id first, so that it never holds more than the table's rows
+and one micro-step's. No step reads the whole table, and the accumulator's
+memory follows the rows looked up (`tools/benchmark --suites=sparse`, README
+"Performance"). The wrapped optimizer receives a `tf.IndexedSlices` over
+every row the cycle touched, also a row whose gradient summed to exactly
+zero (a masked padding id), and applies its own sparse update as it would to
+the large batch's gradient: RMSProp and Adadelta decay that row's slots,
+Ftrl and the proximal optimizers shrink it, Momentum moves it by its
 momentum (tested for each, every slot compared).
 
 - Checkpoints: the list is a variable under the original's name, so every
