@@ -170,10 +170,10 @@ class DenseAccumulator(object):
     variable instead of two (`tools/benchmark --suites=step`).
     """
     variable = self.local
+    checks = []  # a table's (sparse_as_dense): see `tables.check_dense`
     if isinstance(gradient, tf.IndexedSlices) and not compat.in_xla_context():
-      with tf.control_dependencies([tables.check_dense(variable)]):
-        gradient = self._dense(gradient)  # a table's (sparse_as_dense)
-    else:
+      checks = [tables.check_dense(variable)]
+    with tf.control_dependencies(checks):
       gradient = self._dense(gradient)
     alpha = -divisor.reciprocal(variable.dtype.base_dtype)
     if compat.is_ref_variable(variable):
@@ -242,9 +242,9 @@ def create(opt, variable, gradient, sparse, dtype=None,
     `RowListAccumulator`, `SparseAccumulator`, `RowQueueAccumulator`.
   """
   arguments.check_accumulator_width(dtype, variable)
+  dtype = dtype or variable.dtype.base_dtype
   table = sparse and isinstance(gradient, tf.IndexedSlices)
   if local is not None:  # the worker's own, not a slot (see `placement`)
-    dtype = dtype or variable.dtype.base_dtype
     if table:
       return tables.RowQueueAccumulator(variable, dtype,
                                         local.device)
@@ -253,7 +253,6 @@ def create(opt, variable, gradient, sparse, dtype=None,
         variable.op.name + '/' + SLOT_OP_NAME,
         lambda: zeros.run_time_zeros(shape, dtype), dtype))
   if table and replicas == 1 and not in_xla:
-    dtype = dtype or variable.dtype.base_dtype
     id_columns = tables.id_columns(variable, dtype)
     if id_columns is not None:
       slot = create_slot(opt, variable, dtype, owner,

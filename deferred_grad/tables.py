@@ -42,6 +42,14 @@ def _ids(gradient):
   return tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)
 
 
+def _sum_by_id(ids, rows):
+  """(unique ids, rows of equal ids added up in their order), for the
+  apply step's IndexedSlices."""
+  unique, positions = tf.unique(ids)
+  return unique, tf.math.unsorted_segment_sum(rows, positions,
+                                              tf.size(unique))
+
+
 def id_columns(variable, dtype):
   """Columns of `dtype` that hold a row id in a `RowListAccumulator`, or None.
 
@@ -155,8 +163,7 @@ class RowListAccumulator(object):
 
     def from_dense():
       dense = tf.reshape(value, [-1, self._columns - self._id_columns])
-      ids = tf.reshape(tf.where(tf.reduce_any(tf.not_equal(dense, 0), 1)),
-                       [-1])
+      ids = _nonzero_rows(dense)
       return self._pack(ids, tf.gather(dense, ids))
 
     def long_or_dense():
@@ -167,10 +174,7 @@ class RowListAccumulator(object):
 
   def _summed(self, listed):
     """`listed` with the rows of equal ids added up, in their order."""
-    ids, rows = self._unpack(listed)
-    unique, positions = tf.unique(ids)
-    return self._pack(unique, tf.math.unsorted_segment_sum(
-        rows, positions, tf.size(unique)))
+    return self._pack(*_sum_by_id(*self._unpack(listed)))
 
   def _assign(self, value):
     local = self.local
@@ -261,12 +265,13 @@ class SparseAccumulator(object):
     The cost does not grow with the table.
     """
     dtype = self.slot.dtype.base_dtype
-    if self._rows is None:  # inside XLA
-      return self.local.scatter_add(tf.IndexedSlices(
-          divisor.divide(tf.cast(gradient.values, dtype)), gradient.indices))
-    with tf.control_dependencies([check_dense(self.local)]):
+    # Inside XLA (no queue) no restore can have changed the shape.
+    checks = [] if self._rows is None else [check_dense(self.local)]
+    with tf.control_dependencies(checks):
       added = self.local.scatter_add(tf.IndexedSlices(
           divisor.divide(tf.cast(gradient.values, dtype)), gradient.indices))
+    if self._rows is None:
+      return added
     with tf.device(self._host):
       recorded = self._rows.enqueue_many([_ids(gradient)])
     return tf.group(added, recorded)
@@ -374,8 +379,7 @@ class RowQueueAccumulator(object):
     """The cycle's rows, those of equal ids added up, as IndexedSlices."""
     del length  # the queue holds the cycle's rows
     ids, rows = self._queue.dequeue_many(self._queue.size())
-    unique, positions = tf.unique(ids)
-    summed = tf.math.unsorted_segment_sum(rows, positions, tf.size(unique))
+    unique, summed = _sum_by_id(ids, rows)
     return tf.IndexedSlices(summed, unique,
                             tf.constant(self._dense_shape.as_list(), tf.int64))
 
