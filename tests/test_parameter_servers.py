@@ -33,8 +33,10 @@ WORKERS, PS = 3, 2
 K = 4
 MICRO_BATCHES = 12  # per worker
 TIMEOUT_MS = 60000
-# Each configuration; races show up only sometimes (tools/soak raises it).
-REPEATS = 2 * int(os.environ.get('DEFERRED_GRAD_SOAK_REPEATS', 1))
+# Trainings per test and configuration: races show up only sometimes. The
+# test runner's four runs (two TensorFlow versions, two behaviours) train
+# each configuration of the wrapper 4 times; tools/soak raises it.
+REPEATS = int(os.environ.get('DEFERRED_GRAD_SOAK_REPEATS', 1))
 
 _runs = itertools.count()
 
