@@ -24,15 +24,57 @@ def pytest_configure(config):
       '(tools/gpu_check runs these on a GPU machine)')
 
 
-# Tests that start worker processes (MultiWorkerMirroredStrategy) are the
-# slowest: by default each case runs in one of the test runner's four runs
-# (TensorFlow 2.15 and 2.21, each in the v2 and the v1 behaviour), in turn,
-# so that the cases spread over every version and behaviour.
+# The slowest tests take turns over the test runner's four runs
+# (TensorFlow 2.15 and 2.21, each in the v2 and the v1 behaviour), so that
+# their cases spread over every version and behaviour:
+# * worker processes (MultiWorkerMirroredStrategy): each case in one run;
+# * parameter-server clusters (worker threads, one training per case): each
+#   case in both versions, in one behaviour each (the other in the other);
+# * the examples under tools/ (a process each; they set their own behaviour
+#   and run in one pass per version): each in one version;
+# * the two paths of the largest modules (tables, schedules): each path in
+#   both versions and both behaviours, not in every combination of the
+#   three (the other modules run every path in every run).
+# Estimator's run on 2.15 alone: there they run in every run they would.
 # DEFERRED_GRAD_ALL_CONFIGURATIONS=1 (tools/soak sets it) runs every case in
 # every run.
-_ROTATING_MODULES = ('test_multi_worker.py',)
-# (TensorFlow: 2.15, or the newer one the runner tests; behaviour)
-_RUNS = (('2.15', 'v2'), ('2.15', 'v1'), ('2.16+', 'v2'), ('2.16+', 'v1'))
+_VERSIONS, _BEHAVIORS = ('2.15', '2.16+'), ('v2', 'v1')
+_CROSSED = [(('2.15', 'v2'), ('2.16+', 'v1')), (('2.15', 'v1'), ('2.16+', 'v2'))]
+# The runs a case of each kind takes turns over.
+_TURNS = {
+    'worker processes': [((v, b),) for v in _VERSIONS for b in _BEHAVIORS],
+    'parameter-server cluster': _CROSSED,
+    'example': [tuple((v, b) for b in _BEHAVIORS) for v in _VERSIONS],
+    'path': _CROSSED,
+}
+_EXAMPLES = ('test_example_trains', 'test_bert_porting_example',
+             'test_parameter_server_example', 'test_keras_example')
+_PATH_MODULES = ('test_sparse.py', 'test_schedules.py')
+
+
+def _turn(item, counters):
+  """(kind, the runs `item` runs in), or None where it runs in every run.
+
+  `counters` counts the cases of each kind so far (the same order in every
+  run: collection's)."""
+  if 'estimator' in item.name:
+    return None
+  module = os.path.basename(str(item.fspath))
+  params = getattr(getattr(item, 'callspec', None), 'params', {})
+  if module in _PATH_MODULES and 'use_tpu' in params:
+    return 'path', _TURNS['path'][int(params['use_tpu'])]
+  kind = None
+  if module == 'test_multi_worker.py':
+    kind = 'worker processes'
+  elif module == 'test_parameter_servers.py' and 'cluster' in getattr(
+      item, 'fixturenames', ()):
+    kind = 'parameter-server cluster'
+  elif module == 'test_demo.py' and item.name.startswith(_EXAMPLES):
+    kind = 'example'
+  if kind is None:
+    return None
+  counters[kind] = counters.get(kind, -1) + 1
+  return kind, _TURNS[kind][counters[kind] % len(_TURNS[kind])]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,21 +82,24 @@ def pytest_collection_modifyitems(config, items):
   if os.environ.get('DEFERRED_GRAD_ALL_CONFIGURATIONS', '') not in ('', '0'):
     return
   version = tuple(int(p) for p in behavior.tf.__version__.split('.')[:2])
-  this_run = ('2.15' if version <= (2, 15) else '2.16+', behavior.BEHAVIOR)
-  index = 0
+  this_run = (_VERSIONS[version > (2, 15)], behavior.BEHAVIOR)
+  counters = {}
   for item in items:
-    if os.path.basename(str(item.fspath)) not in _ROTATING_MODULES:
+    turn = _turn(item, counters)
+    if turn is None or this_run in turn[1]:
       continue
-    # Estimator's exist on 2.15 alone: there they run in both behaviours.
-    if 'estimator' in item.name:
-      continue
-    runs_in = _RUNS[index % len(_RUNS)]
-    index += 1
-    if runs_in != this_run:
-      item.add_marker(pytest.mark.skip(reason=(
-          'worker processes: this case runs with TensorFlow %s in the %s '
-          'behaviour (DEFERRED_GRAD_ALL_CONFIGURATIONS=1 runs it in every '
-          'run)' % runs_in)))
+    kind, runs_in = turn
+    item.add_marker(pytest.mark.skip(reason=(
+        '%s: this case runs with %s (DEFERRED_GRAD_ALL_CONFIGURATIONS=1 '
+        'runs it in every run)' % (kind, _described(runs_in)))))
+
+
+def _described(runs):
+  """'TensorFlow 2.15, v2 behaviour and ...', a whole version named once."""
+  versions = [v for v in _VERSIONS if all((v, b) in runs for b in _BEHAVIORS)]
+  return ' and '.join(['TensorFlow %s' % v for v in versions] + [
+      'TensorFlow %s, %s behaviour' % run for run in runs
+      if run[0] not in versions])
 
 
 def pytest_report_header(config):
