@@ -33,9 +33,9 @@ WORKERS, PS = 3, 2
 K = 4
 MICRO_BATCHES = 12  # per worker
 TIMEOUT_MS = 60000
-# Trainings per test and configuration: races show up only sometimes. The
-# test runner's four runs (two TensorFlow versions, two behaviours) train
-# each configuration of the wrapper 4 times; tools/soak raises it.
+# Trainings per case and run: races show up only sometimes. The test
+# runner trains each cluster case twice, once per TensorFlow version (in
+# one behaviour each, see conftest.py); tools/soak raises it.
 REPEATS = int(os.environ.get('DEFERRED_GRAD_SOAK_REPEATS', 1))
 
 _runs = itertools.count()

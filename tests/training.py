@@ -169,17 +169,23 @@ def train(make_optimizer, data, grad_steps=None, **kwargs):
   """
   key = _reference_key(make_optimizer, data, kwargs) if (
       grad_steps is None) else None
-  if key is None or key not in _REFERENCES:
-    trainer = Trainer(make_optimizer, grad_steps, **kwargs)
-    with trainer.session() as session:
-      snapshots = trainer.run(session, data)
-      final_step = session.run(trainer.global_step)
-    result = snapshots, final_step, trainer.graph
-    if key is None:
-      return result
-    _REFERENCES[key] = result
-  snapshots, final_step, graph = _REFERENCES[key]
-  # Copies: a test may change what it got.
+  if key is not None and key in _REFERENCES:
+    return _copied(_REFERENCES[key])
+  trainer = Trainer(make_optimizer, grad_steps, **kwargs)
+  with trainer.session() as session:
+    snapshots = trainer.run(session, data)
+    final_step = session.run(trainer.global_step)
+  result = snapshots, final_step, trainer.graph
+  if key is None:
+    return result
+  _REFERENCES[key] = result
+  return _copied(result)
+
+
+def _copied(result):
+  """A shared training's result, its snapshots copied: a test may change
+  what it got."""
+  snapshots, final_step, graph = result
   return ([{name: np.copy(value) for name, value in snapshot.items()}
            for snapshot in snapshots], final_step, graph)
 
