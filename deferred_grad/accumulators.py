@@ -1,29 +1,30 @@
-"""Gradient accumulators: one kind per kind of gradient.
+"""Gradient accumulators: a train op's sums of the cycle, per replica.
 
 Each variable that receives a gradient gets an accumulator slot holding the
 sum of the cycle's micro-batch gradients divided by `grad_steps` (the
 original's scale, so that its checkpoints restore mid-cycle); under a
-`grad_steps` schedule, by the cycle's length. The kinds
-share one small interface:
+`grad_steps` schedule, by the cycle's length. `create` makes a replica's
+`Accumulators`, which the optimizer calls with values:
 
-* `add(gradient, divisor)`: a micro-step's op adding `gradient / divisor`
-  (a `Divisor`: grad_steps, or the cycle's length under a schedule);
-* `mark()`: run on every micro-step, added or skipped;
-* `read(length)`: the cycle's accumulated gradient, for the apply step
-  (`length`: the cycle's micro-steps, an int or an int64 scalar);
-* `reset(after, read)`: empties it for the next cycle, after `after`.
+* `add(gradients, divisor)`: the micro-step's op adding `gradient / divisor`
+  to each (a `Divisor`: grad_steps, or the cycle's length);
+* `mark()`: ops run on every micro-step, added or skipped;
+* `read(length, micro_step)`: the cycle's sums, this micro-step's included,
+  for the apply step (`length`: the cycle's micro-steps);
+* `reset(after, read)`: empties them for the next cycle, after `after`.
 
-`DenseAccumulator` adds and zeroes in place;
-`ShardedAccumulator` reads through an XLA sharding annotation;
-a table's (sparse gradients) is in `tables`.
-With grad_steps=1 there is none: the optimizer applies the micro-step's
-gradients themselves.
+One kind per kind of gradient sits behind it: `DenseAccumulator` (added,
+read and zeroed in place, by `kernels`), `ShardedAccumulator` (added
+through an XLA sharding annotation), and a table's (sparse gradients) from
+`tables`. With grad_steps=1 nothing accumulates: `PassThrough` hands the
+apply step the micro-step's own gradients.
 """
 
 from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
+import collections
 import itertools
 import weakref
 
@@ -31,9 +32,9 @@ from deferred_grad import arguments
 from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import distribute
+from deferred_grad import kernels
 from deferred_grad import sharding
 from deferred_grad import tables
-from deferred_grad import zeros
 
 tf = compat.import_tensorflow()
 
@@ -95,7 +96,7 @@ def create_slot(opt, variable, dtype, owner=None, columns=None):
     slot = opt._get_or_make_slot(variable, empty, slot_name, op_name)
   elif variable.shape.is_fully_defined():
     slot = opt._get_or_make_slot_with_initializer(
-        variable, zeros.run_time_zeros, variable.shape, dtype, slot_name,
+        variable, kernels.run_time_zeros, variable.shape, dtype, slot_name,
         op_name)
   elif dtype == variable.dtype.base_dtype:
     # Only a variable's value knows its shape: TensorFlow's zeros slot.
@@ -114,7 +115,7 @@ class Divisor(object):
 
   Args:
     value: `grad_steps` (an int), or the cycle's length under a schedule
-      (an int64 scalar, `steps.Schedule.divisor`).
+      (an int64 scalar, `cycle.Schedule.divisor`).
   """
 
   def __init__(self, value):
@@ -140,11 +141,14 @@ class DenseAccumulator(object):
   """Accumulates dense gradients in place, and zeroes them in place.
 
   Under a multi-replica strategy the slot is a distributed variable; each
-  replica adds into, reads and resets its own component (`local`).
+  replica adds into, reads and resets its own component (`local`). `add`
+  and `reset` take the component's handle from `kernels.handles`.
 
   Args:
     slot: the accumulator variable.
   """
+
+  in_place = True  # `Accumulators` batches its handle and read (`kernels`)
 
   def __init__(self, slot):
     self.slot = slot
@@ -163,39 +167,31 @@ class DenseAccumulator(object):
       gradient = tf.convert_to_tensor(gradient)
     return tf.cast(gradient, self.slot.dtype.base_dtype)
 
-  def add(self, gradient, divisor):
-    """accumulator += gradient / divisor, in place, in one kernel.
-
-    SGD's kernel with learning rate -1/divisor: no temporary, one op per
-    variable instead of two (`tools/benchmark --suites=step`).
-    """
+  def add(self, gradient, divisor, handle=None):
+    """accumulator += gradient / divisor, in place, in one kernel."""
     variable = self.local
     checks = []  # a table's (sparse_as_dense): see `tables.check_dense`
     if isinstance(gradient, tf.IndexedSlices) and not compat.in_xla_context():
       checks = [tables.check_dense(variable)]
     with tf.control_dependencies(checks):
       gradient = self._dense(gradient)
-    alpha = -divisor.reciprocal(variable.dtype.base_dtype)
-    if compat.is_ref_variable(variable):
-      return tf.raw_ops.ApplyGradientDescent(
-          var=variable, alpha=alpha, delta=gradient).op
-    return tf.raw_ops.ResourceApplyGradientDescent(
-        var=variable.handle, alpha=alpha, delta=gradient)
+    return kernels.add(variable, gradient,
+                       divisor.reciprocal(variable.dtype.base_dtype), handle)
 
   def read(self, length):
     """The accumulated gradient of the cycle's `length` micro-steps."""
     del length  # the tensor holds it all
     return self.local.read_value()
 
-  def reset(self, after, gradient, shared_zeros=None):
+  def reset(self, after, gradient, shared_zeros=None, handle=None):
     """Zeroes the accumulator in place once `after` has run; returns the op.
 
-    See `zeros.zero_in_place`. `reset_all` runs the resets one after
+    See `kernels.zero`. `Accumulators.reset` runs the resets one after
     another, so that a reset's transients are one variable's.
     """
     del gradient
     with tf.control_dependencies([after]):
-      return zeros.zero_in_place(self.local, shared_zeros)
+      return kernels.zero(self.local, shared_zeros, handle)
 
 
 class ShardedAccumulator(DenseAccumulator):
@@ -206,21 +202,123 @@ class ShardedAccumulator(DenseAccumulator):
     num_partitions: `xla_num_partitions`.
   """
 
+  in_place = False
+
   def __init__(self, slot, num_partitions):
     super(ShardedAccumulator, self).__init__(slot)
     self._num_partitions = num_partitions
 
-  def add(self, gradient, divisor):
+  def add(self, gradient, divisor, handle=None):
     """accumulator = sharded(accumulator) + gradient / divisor."""
+    del handle
     local = self.local
     current = sharding.shard(local.read_value(), self._num_partitions)
     return local.assign(
         current + divisor.divide(self._dense(gradient)), read_value=False)
 
 
-def create(opt, variable, gradient, sparse, dtype=None,
-           num_partitions=None, in_xla=False, local=None, owner=None,
-           replicas=1):
+# What `read` returns, for `reset`: the cycle's sums, and the handles the
+# in-place kernels used ({index: handle}).
+Read = collections.namedtuple('Read', ['gradients', 'handles'])
+
+
+class Accumulators(object):
+  """A train op's accumulators on one replica, one per variable.
+
+  Args:
+    accumulators: the accumulators, in the order of the variables.
+  """
+
+  def __init__(self, accumulators):
+    self._accumulators = list(accumulators)
+
+  def _handles(self):
+    """{index: handle} of the in-place kinds (`kernels.handles`)."""
+    indices = [i for i, a in enumerate(self._accumulators) if a.in_place]
+    handles = kernels.handles([self._accumulators[i].local for i in indices])
+    return dict(zip(indices, handles))
+
+  def add(self, gradients, divisor):
+    """An op adding each `gradient / divisor` to its accumulator."""
+    handles = self._handles()
+    return tf.group(*[
+        accumulator.add(gradient, divisor, handles[index])
+        if accumulator.in_place else accumulator.add(gradient, divisor)
+        for index, (accumulator, gradient) in enumerate(
+            zip(self._accumulators, gradients))], name='accumulate')
+
+  def mark(self):
+    """Ops to run on every micro-step, added or skipped."""
+    return [accumulator.mark() for accumulator in self._accumulators]
+
+  def read(self, length, micro_step):
+    """A `Read`: the cycle's sums (its `length` micro-steps), in order.
+
+    `micro_step`: this micro-step's gradients, which `add` has added.
+    """
+    del micro_step
+    handles = self._handles()
+    indices = sorted(handles)
+    values = dict(zip(indices, kernels.read(
+        [self._accumulators[i].local for i in indices],
+        [handles[i] for i in indices])))
+    return Read([values[i] if i in values else accumulator.read(length)
+                 for i, accumulator in enumerate(self._accumulators)],
+                handles)
+
+  def reset(self, after, read):
+    """An op emptying each accumulator after `after`, one after another.
+
+    One at a time: a reset's transients (zeros inside XLA, a table's zero
+    rows) are then one variable's.
+
+    Args:
+      after: the op (the wrapped optimizer's apply) that must run first.
+      read: what `read` returned.
+    """
+    previous = after
+    resets = []
+    shared_zeros = {}  # small variables' zeros, one per shape (`kernels`)
+    for index, (accumulator, gradient) in enumerate(
+        zip(self._accumulators, read.gradients)):
+      if accumulator.in_place:
+        previous = accumulator.reset(previous, gradient, shared_zeros,
+                                     read.handles[index])
+      else:
+        previous = accumulator.reset(previous, gradient, shared_zeros)
+      resets.append(previous)
+    return tf.group(*resets)
+
+
+class PassThrough(object):
+  """With grad_steps=1: no accumulator; the micro-step is the cycle's sum.
+
+  Args:
+    sparse: hand IndexedSlices on as they are (else densified).
+  """
+
+  def __init__(self, sparse):
+    self._sparse = sparse
+
+  def add(self, gradients, divisor):
+    del gradients, divisor
+    return tf.no_op()
+
+  def mark(self):
+    return []
+
+  def read(self, length, micro_step):
+    del length
+    return Read([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
+                 and not self._sparse else g for g in micro_step], {})
+
+  def reset(self, after, read):
+    del read
+    return after
+
+
+def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
+            local, owner, replicas):
   """Creates `variable`'s accumulator of the kind its gradient needs.
 
   Args:
@@ -233,9 +331,9 @@ def create(opt, variable, gradient, sparse, dtype=None,
     in_xla: built inside an XLA computation (see `tables`).
     local: None, or a `placement.WorkerLocal` (variables on parameter
       servers): the accumulator is then the worker's own, not a slot.
+    owner: the train op's state (see `create_slot`).
     replicas: the replicas in sync: with one, a table's accumulator is a
       `tables.RowListAccumulator`.
-    owner: the train op's state (see `create_slot`).
 
   Returns:
     A `DenseAccumulator`, `ShardedAccumulator`, or one of `tables`'
@@ -246,12 +344,11 @@ def create(opt, variable, gradient, sparse, dtype=None,
   table = sparse and isinstance(gradient, tf.IndexedSlices)
   if local is not None:  # the worker's own, not a slot (see `placement`)
     if table:
-      return tables.RowQueueAccumulator(variable, dtype,
-                                        local.device)
+      return tables.RowQueueAccumulator(variable, dtype, local.device)
     shape = variable.shape
     return DenseAccumulator(local.variable(
         variable.op.name + '/' + SLOT_OP_NAME,
-        lambda: zeros.run_time_zeros(shape, dtype), dtype))
+        lambda: kernels.run_time_zeros(shape, dtype), dtype))
   if table and replicas == 1 and not in_xla:
     id_columns = tables.id_columns(variable, dtype)
     if id_columns is not None:
@@ -266,36 +363,16 @@ def create(opt, variable, gradient, sparse, dtype=None,
   return ShardedAccumulator(slot, num_partitions)
 
 
-def create_all(opt, grads_and_vars, sparse, dtype=None,
-               num_partitions=None, in_xla=False, local=None, owner=None):
-  """`create` for each (gradient, variable) pair; a list.
+def create(opt, grads_and_vars, sparse, dtype=None, num_partitions=None,
+           in_xla=False, local=None, owner=None):
+  """A replica's `Accumulators` for the (gradient, variable) pairs.
 
   Per replica and saved as their sum under a multi-replica strategy (see
-  `distribute.summed_on_save`).
+  `distribute.summed_on_save`). Call it under `tf.init_scope()`; the
+  arguments are `_create`'s.
   """
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
   with distribute.summed_on_save():
-    return [create(opt, v, g, sparse, dtype, num_partitions,
-                   in_xla, local, owner, replicas) for g, v in grads_and_vars]
-
-
-def reset_all(accumulators, gradients, after):
-  """Each accumulator's reset after `after`.
-
-  Args:
-    accumulators: the accumulators the apply step read.
-    gradients: what each one's `read` returned, in the same order.
-    after: the op (the wrapped optimizer's apply) that must run first.
-
-  Returns:
-    A list of ops.
-  """
-  previous = after
-  resets = []
-  shared_zeros = {}  # small variables' zeros, one per shape (see `zeros`)
-  for accumulator, gradient in zip(accumulators, gradients):
-    # One at a time: a reset's transients (zeros inside XLA, a table's
-    # zero rows) are then one variable's.
-    previous = accumulator.reset(previous, gradient, shared_zeros)
-    resets.append(previous)
-  return resets
+    return Accumulators([
+        _create(opt, v, g, sparse, dtype, num_partitions, in_xla, local,
+                owner, replicas) for g, v in grads_and_vars])

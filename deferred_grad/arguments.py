@@ -39,7 +39,7 @@ def check_grad_steps(grad_steps):
   """Returns `grad_steps` as an int, or as a schedule (a tensor or callable).
 
   An int (also a numpy integer) keeps the original's fixed cycle; a tensor
-  or a callable is a schedule, read once per cycle (see `steps.Schedule`).
+  or a callable is a schedule, read once per cycle (see `cycle.Schedule`).
 
   Raises:
     TypeError: neither an int, an integer tensor nor a callable (a bool, a

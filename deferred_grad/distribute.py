@@ -159,25 +159,44 @@ def first_replica(distribution, value):
   return distribution.experimental_local_results(value)[0]
 
 
-def sum_over_replicas(distribution, values_fn, *args):
-  """Sums `values_fn(*args)`'s scalars over all replicas, cross-replica.
+def summed_counts(names, distribution, counts_fn, part, over_tpu_cores,
+                  length=None):
+  """({name: count summed over replicas (and TPU cores)}, replicas, checks).
 
-  One small all-reduce: the scalars travel as one vector.
+  The cycle's one exchange between replicas besides the wrapped
+  optimizer's own all-reduce: the counts travel as one small vector.
 
   Args:
-    distribution: the strategy (the `merge_call`'s first argument).
-    values_fn: called on each replica with that replica's `args`; returns a
-      non-empty list of float32 scalars.
-    *args: arguments, PerReplica values unwrapped for each replica.
-
-  Returns:
-    The list of sums (in cross-replica context).
+    names: the counts' names, in the order `counts_fn` gives them.
+    distribution: the strategy (in its cross-replica context), or None.
+    counts_fn: returns a replica's counts (float32 scalars) from its `part`.
+    part: what each replica built (PerReplica under a strategy).
+    over_tpu_cores: also sum over TPU cores (`apply_crs_to_grad`).
+    length: under a schedule, the cycle's length. Where the replicas span
+      several workers it travels with the counts, and `checks` holds the
+      op that fails where the workers disagree (their collectives would no
+      longer match).
   """
-  per_replica = distribution.extended.call_for_each_replica(
-      lambda *a: tf.stack(values_fn(*a)), args=args)
-  summed = distribution.reduce(tf.distribute.ReduceOp.SUM, per_replica,
-                               axis=None)
-  return tf.unstack(summed)
+  replicas = 1 if distribution is None else distribution.num_replicas_in_sync
+  agree = length is not None and distribution is not None and (
+      in_multi_worker_mode(distribution))
+  if not (names or agree):
+    return {}, replicas, []
+  if distribution is None:
+    counts = counts_fn(part)
+  else:
+    extra = [tf.cast(length, tf.float32)] if agree else []
+    # One all-reduce: the scalars travel as one vector.
+    per_replica = distribution.extended.call_for_each_replica(
+        lambda p: tf.stack(counts_fn(p) + extra), args=(part,))
+    counts = tf.unstack(distribution.reduce(
+        tf.distribute.ReduceOp.SUM, per_replica, axis=None))
+  checks = [check_agreed(counts.pop(), replicas, length)] if agree else []
+  if over_tpu_cores:
+    crs = tf.compat.v1.tpu.cross_replica_sum
+    counts = tf.unstack(crs(tf.stack(counts)))
+    replicas = replicas * crs(tf.constant(1.0))
+  return dict(zip(names, counts)), replicas, checks
 
 
 def check_agreed(total, replicas, length):

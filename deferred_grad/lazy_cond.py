@@ -54,8 +54,11 @@ def run_cond_as_function(graph, ops_before):
 def cond(pred, true_fn, false_fn):
   """`tf.cond` whose control flow v2 `If` op is run as a function.
 
-  See `run_cond_as_function`.
+  See `run_cond_as_function`. A Python bool `pred` (decided at graph
+  build, as grad_steps=1's cycle end) builds the branch it names alone.
   """
+  if isinstance(pred, bool):
+    return true_fn() if pred else false_fn()
   graph = tf.compat.v1.get_default_graph()
   ops_before = graph.get_operations()
   result = tf.cond(pred, true_fn, false_fn)

@@ -1,16 +1,55 @@
-"""Numerics of the accumulated gradient: finiteness checks and clipping.
+"""What a cycle applies: which micro-batches count, and by what factor.
 
-What a `nonfinite_policy` then does with a non-finite micro-batch is
-decided in `cycle_state` (`should_apply`, `scale`).
+A micro-step is checked (`all_finite`, with a `nonfinite_policy`) and
+weighed (`weigh`, with a `micro_batch_weight`), and adds `increments` to
+its replica's counts: one small vector per replica, as data. The apply
+step sums the counts over replicas once, and two pure functions of that
+sum decide, as optax's `skip_not_finite`: `should_apply` (apply now, or
+only reset?) and `scale` (the factor that turns the accumulated sum into
+the cycle's gradient). The policies differ there by a line each. Then
+`clip_by_global_norm` clips the whole cycle's gradient, once.
 """
 
 from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
+import collections
+
+from deferred_grad import arguments
 from deferred_grad import compat
 
 tf = compat.import_tensorflow()
+
+NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
+AGGREGATIONS = ('mean', 'sum')
+# The counts a cycle keeps per replica (float32), by their variables' names.
+GOOD, NONFINITE, WEIGHT = ('good_micro_batches', 'nonfinite_micro_batches',
+                           'micro_batch_weights')
+
+
+class Policy(collections.namedtuple(
+    'Policy', ['nonfinite_policy', 'aggregation', 'weighted'])):
+  """The keywords that decide what a cycle applies (plain values).
+
+  Fields: `nonfinite_policy` (one of NONFINITE_POLICIES), `aggregation`
+  (one of AGGREGATIONS), `weighted` (micro-steps carry a weight).
+  """
+
+  @classmethod
+  def checked(cls, nonfinite_policy, aggregation, weighted):
+    """The policy, or a ValueError naming the keyword with a bad value."""
+    return cls(
+        arguments.check_choice(nonfinite_policy, NONFINITE_POLICIES,
+                               'nonfinite_policy'),
+        arguments.check_choice(aggregation, AGGREGATIONS, 'aggregation'),
+        weighted)
+
+  @property
+  def counts(self):
+    """The names of the per-replica counts a cycle keeps, in vector order."""
+    names = (GOOD, NONFINITE) if self.nonfinite_policy else ()
+    return names + ((WEIGHT,) if self.weighted else ())
 
 
 def _values(gradient):
@@ -26,6 +65,15 @@ def map_values(gradient, fn):
   return fn(gradient)
 
 
+def all_finite(gradients):
+  """A boolean scalar: True if no gradient holds a NaN or an inf.
+
+  For an IndexedSlices, its values: the rows it touches.
+  """
+  return tf.reduce_all(
+      [tf.reduce_all(tf.math.is_finite(_values(g))) for g in gradients])
+
+
 def weigh(gradients, weight):
   """The gradients times `weight` (in their dtype), or as they are."""
   if weight is None:
@@ -34,19 +82,94 @@ def weigh(gradients, weight):
           for g in gradients]
 
 
-def cast_like(gradients, var_list):
-  """Each gradient cast to its variable's dtype (from the accumulator's)."""
-  return [map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
-          for g, v in zip(gradients, var_list)]
+def increments(policy, finite, weight):
+  """What one micro-step adds to its replica's counts (float32 scalars).
 
+  Args:
+    policy: the `Policy`.
+    finite: None, or a boolean scalar: the micro-batch is finite.
+    weight: None, or the micro-step's weight (float32).
 
-def all_finite(gradients):
-  """A boolean scalar: True if no gradient holds a NaN or an inf.
-
-  For an IndexedSlices, its values: the rows it touches.
+  Returns:
+    A list in the order of `policy.counts`.
   """
-  return tf.reduce_all(
-      [tf.reduce_all(tf.math.is_finite(_values(g))) for g in gradients])
+  added = []
+  if policy.nonfinite_policy:
+    good = tf.cast(finite, tf.float32)
+    added += [good, 1.0 - good]
+  if policy.weighted:
+    # A skipped micro-batch adds no weight (where: a NaN weight stays out).
+    added.append(weight if finite is None else
+                 tf.where(finite, weight, tf.zeros_like(weight)))
+  return added
+
+
+def should_apply(policy, totals):
+  """Whether the cycle applies: None (always), or a boolean scalar.
+
+  Args:
+    policy: the `Policy`.
+    totals: {name: the count summed over replicas}.
+  """
+  decisions = []
+  # Rounded: after a restore the counts are sums of float32 shares.
+  if policy.nonfinite_policy == 'skip_micro_batch':
+    decisions.append(tf.round(totals[GOOD]) > 0)
+  elif policy.nonfinite_policy == 'skip_cycle':
+    decisions.append(tf.equal(tf.round(totals[NONFINITE]), 0))
+  if policy.weighted and policy.aggregation == 'mean':
+    decisions.append(totals[WEIGHT] > 0)
+  if not decisions:
+    return None
+  return decisions[0] if len(decisions) == 1 else tf.logical_and(*decisions)
+
+
+def scale(policy, totals, replicas, length):
+  """The factor from the accumulated sum to the cycle's gradient.
+
+  As a fraction (numerator, denominator) of scalars or numbers, which
+  `apply_scale` divides in each gradient's own dtype: 4/3 is then exact to
+  float64 precision in a float64 model.
+
+  Args:
+    policy: the `Policy`.
+    totals: {name: the count summed over replicas}.
+    replicas: the number of replicas (a number or a float32 scalar).
+    length: the cycle's length (`cycle.Position.length`).
+
+  Returns:
+    None (the accumulated sum is the cycle's gradient), or the fraction.
+  """
+  # The accumulators hold the sum divided by the cycle's length.
+  if policy.aggregation == 'sum':
+    return (length, 1)
+  if policy.weighted:
+    # Each replica's loss is divided by the replicas: its share of the
+    # cycle's weight is the sum over replicas divided by the replicas.
+    return (length * replicas, tf.maximum(totals[WEIGHT], 1e-30))
+  if policy.nonfinite_policy == 'skip_micro_batch':
+    # The mean over the finite micro-batches of every replica.
+    return (length * replicas, tf.maximum(totals[GOOD], 1.0))
+  return None
+
+
+def apply_scale(gradients, fraction):
+  """Each gradient times `numerator / denominator`, in its own dtype."""
+  if fraction is None or all(
+      isinstance(part, int) and part == 1 for part in fraction):
+    return list(gradients)
+
+  def scaled(value):
+    numerator, denominator = (tf.cast(part, value.dtype) for part in fraction)
+    return value * (numerator / denominator)
+
+  return [map_values(g, scaled) for g in gradients]
+
+
+def skipped(totals, applied):
+  """(micro-batches, cycles) the policy skipped in this cycle, int64."""
+  return (tf.cast(tf.round(totals[NONFINITE]), tf.int64),
+          1 - tf.cast(applied, tf.int64))
 
 
 def clip_by_global_norm(gradients, clip_norm):
@@ -79,3 +202,9 @@ def clip_by_global_norm(gradients, clip_norm):
   if replicas > 1:
     clipped = [g / replicas for g in clipped]
   return clipped
+
+
+def cast_like(gradients, var_list):
+  """Each gradient cast to its variable's dtype (from the accumulator's)."""
+  return [map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
+          for g, v in zip(gradients, var_list)]

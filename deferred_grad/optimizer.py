@@ -1,14 +1,20 @@
 """Optimizer wrapper for deferred (accumulated) gradient application.
 
-The algorithm reads top to bottom from `apply_gradients`: 1. the micro-step
-(`_micro_step`: check, weigh, add); 2. one decision, a `tf.cond` on the
-cycle's end (`_cycle_end`: GPU path after a `merge_call`; TPU path in the
-replica); 3. the apply step (`_apply_step`: sum the counts over replicas
-once, decide, then `_apply_and_reset` on each replica); 4. advance. With
-grad_steps=1 the micro-step is its own cycle. The mechanics are one call
-away, called with values: `accumulators`, `cycle_state` (counts as data,
-the decisions), `steps` (where a micro-step is in its cycle), `numerics`,
-`distribute` (replica sums) and `placement` (parameter-server workers).
+The algorithm reads top to bottom from `apply_gradients`:
+
+1. `_micro_step`: check, weigh, add (the micro-step of each replica);
+2. `_end_micro_step`: one decision, a `tf.cond` on the cycle's end (the GPU
+   path decides after a `merge_call`, the TPU path in the replica), then
+   advance the cycle;
+3. `_apply_step`: sum the cycle's counts over replicas once, decide;
+4. `_apply_and_reset`: on each replica, apply the cycle's gradient, reset.
+
+The mechanics are one call away, called with values and returning values:
+`accumulators` (the cycle's sums), `cycle` (where a micro-step is in its
+cycle, and the train op's state), `numerics` (which micro-batches count,
+by what factor) and `distribute` (where replicas meet). Made once per train
+op: `state` (its variables), beside `arguments` (checks), `checkpoints`
+(names) and `placement` (parameter-server workers).
 """
 
 from __future__ import absolute_import
@@ -19,12 +25,12 @@ from deferred_grad import accumulators as accumulators_lib
 from deferred_grad import arguments
 from deferred_grad import checkpoints
 from deferred_grad import compat
-from deferred_grad import cycle_state
+from deferred_grad import cycle
 from deferred_grad import distribute
 from deferred_grad import lazy_cond
 from deferred_grad import numerics
 from deferred_grad import placement
-from deferred_grad import steps
+from deferred_grad import state as state_lib
 
 tf = compat.import_tensorflow()
 
@@ -85,7 +91,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       clip_norm: None, or a positive float: the cycle's gradient is clipped
         to this global norm (over all replicas).
       aggregation: 'mean' (the default, the original's) or 'sum': what the
-        cycle applies of its micro-batch gradients. See `cycle_state`.
+        cycle applies of its micro-batch gradients. See `numerics`.
       micro_batch_weight: None, or a scalar tensor (or a callable, called on
         each replica) weighing the micro-step, e.g. its token count: the
         cycle applies `sum(w_i * g_i) / sum(w_i)` (with 'sum', the numerator).
@@ -111,13 +117,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     self._xla_num_partitions = xla_num_partitions
     self._micro_batch_weight = arguments.check_micro_batch_weight(
         micro_batch_weight)
-    self._rules = cycle_state.Rules(grad_steps, nonfinite_policy, aggregation,
-                                    micro_batch_weight is not None)
+    self._policy = numerics.Policy.checked(nonfinite_policy, aggregation,
+                                           micro_batch_weight is not None)
     super(GradientAggregationOptimizer, self).__init__(
         use_locking=False, name='GradientAggregationOptimizer')
     self._opt = opt
     self._grad_steps = grad_steps
-    self._states = []  # the `cycle_state.TrainOpState` of each train op
+    self._states = []  # the `cycle.TrainOpState` of each train op
     self.strategy = tf.distribute.get_strategy()
 
   @property
@@ -197,15 +203,17 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
     Raises:
       TypeError, ValueError, RuntimeError: see `check_apply_gradients` and
-        `variables.count_global_step`.
+        `state.count_global_step`.
     """
     replica_context = tf.distribute.get_replica_context()
     present = arguments.check_apply_gradients(
         grads_and_vars, global_step, name, replica_context, self._use_tpu,
         self._apply_crs_to_grad)
     var_list = [v for _, v in present]
-    # With grad_steps=1 the micro-step is its cycle: nothing accumulates.
-    accumulates = self._rules.accumulates  # decided here, once
+    # With grad_steps=1 each micro-step is a whole cycle: nothing
+    # accumulates, and the apply step takes the micro-step's gradients.
+    accumulates = not (isinstance(self._grad_steps, int) and
+                       self._grad_steps == 1)
     # Where the wrapped optimizer's non-slot variables go, found before the
     # name scope opens: `name` changes op names only.
     wrapped_vars_scope = checkpoints.wrapped_vars_scope(accumulates)
@@ -216,140 +224,128 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       # Sparse or dense is fixed at graph build, from the gradients' types;
       # a cross-replica sum needs the same shape on every core: dense.
       sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
-      accumulators = None
       with tf.init_scope():
-        state = cycle_state.train_op_state(
-            self._rules, replica_context, global_step, local,
-            own_counter=self._use_tpu or global_step is None or (
-                local is not None))
-        if accumulates:  # each train op its own (see accumulators)
-          accumulators = accumulators_lib.create_all(
-              self._opt, present, sparse,
-              self._accumulator_dtype, self._xla_num_partitions, in_xla,
-              local, owner=state)
+        own_counter = self._use_tpu or global_step is None or (
+            local is not None)
+        state = state_lib.train_op_state(
+            replica_context, self._grad_steps, accumulates, self._policy,
+            own_counter, global_step, local)
+        if accumulates:  # each train op its own (`create_slot`)
+          accumulators = accumulators_lib.create(
+              self._opt, present, sparse, self._accumulator_dtype,
+              self._xla_num_partitions, in_xla, local, owner=state)
+        else:
+          accumulators = accumulators_lib.PassThrough(sparse)
       if not any(state is own for own in self._states):
         self._states.append(state)
-      part = cycle_state.ReplicaPart(state, var_list, accumulators)
       weight = arguments.weight_tensor(self._micro_batch_weight)
-      accumulate = self._micro_step(
-          part, [g for g, _ in present], weight, sparse,
-          placement.initialized_check(local, state.variables()) +
-          arguments.check_weight_value(weight, self._rules.nonfinite_policy))
+      checks = (placement.initialized_check(local, state.variables()) +
+                arguments.check_weight_value(weight,
+                                             self._policy.nonfinite_policy))
+      micro_step, part = self._micro_step(
+          state, var_list, accumulators, [g for g, _ in present], weight,
+          checks)
       if self._use_tpu:
         checkpoints.create_wrapped_slots(self._opt, var_list,
-                                           wrapped_vars_scope)
-        return self._cycle_end(None, [accumulate], part)
+                                         wrapped_vars_scope)
+        return self._end_micro_step(None, [micro_step], part)
     # The original's GPU path: merge_call outside tf.cond.
     return replica_context.merge_call(
-        self._cycle_end_across_replicas,
-        args=(accumulate, part, wrapped_vars_scope, scope))
+        self._end_micro_step_across_replicas,
+        args=(micro_step, part, wrapped_vars_scope, scope))
 
   # -------------------------------------------------------- the algorithm --
 
-  def _micro_step(self, part, gradients, weight, sparse, checks):
-    """1. This replica's micro-step: check, weigh, add. Returns its op.
+  def _micro_step(self, state, var_list, accumulators, gradients, weight,
+                  checks):
+    """1. This replica's micro-step: check, weigh, add.
 
-    `checks` run before anything is added. Without accumulators, `part`
-    keeps the weighed gradients and counts for the apply step."""
-    rules = self._rules
+    `checks` run before anything is added. Returns (its op, its
+    `ReplicaPart`: what the apply step needs of this replica)."""
+    policy = self._policy
     finite = None
-    if rules.nonfinite_policy:
+    if policy.nonfinite_policy:
       checked = gradients + ([weight] if weight is not None else [])
       finite = numerics.all_finite(checked)
     gradients = numerics.weigh(gradients, weight)
-    counts = cycle_state.increments(rules, finite, weight)
-    if part.accumulators is None:
-      part.keep_micro_step(gradients, counts, sparse)
-      return tf.group(*checks)  # the apply step runs after it
-
-    divisor = accumulators_lib.Divisor(part.state.divisor())  # see steps
-
-    def add():
-      adds = [a.add(g, divisor) for a, g in zip(part.accumulators, gradients)]
-      return tf.group(*adds, name='accumulate')
-
+    increments = numerics.increments(policy, finite, weight)
+    divisor = accumulators_lib.Divisor(state.divisor())
+    add = lambda: accumulators.add(gradients, divisor)
     with tf.control_dependencies(checks):
-      added = (add() if finite is None else
-               lazy_cond.cond(finite, add, tf.no_op))
+      added = add() if finite is None else lazy_cond.cond(finite, add,
+                                                          tf.no_op)
     with tf.control_dependencies([added]):
-      counted = cycle_state.add_counts(part.state, counts)
+      counted = state.add_counts(increments)
     # Every micro-step is marked, skipped or not (see SparseAccumulator).
-    marks = [a.mark() for a in part.accumulators]
-    return tf.group(added, *(counted + marks))
+    op = tf.group(added, *(counted + accumulators.mark()))
+    return op, cycle.ReplicaPart(state, var_list, accumulators, gradients,
+                                 increments)
 
-  def _cycle_end_across_replicas(self, distribution, accumulate, part,
-                                 wrapped_vars_scope, scope):
-    """The GPU path's `merge_call`: `_cycle_end` in cross-replica context."""
+  def _end_micro_step_across_replicas(self, distribution, micro_step, part,
+                                      wrapped_vars_scope, scope):
+    """The GPU path's `merge_call`: `_end_micro_step`, cross-replica."""
     first = lambda value: distribute.first_replica(distribution, value)
     wrapped_vars_scope = tuple(first(p) for p in wrapped_vars_scope)
     checkpoints.create_wrapped_slots(self._opt, first(part).var_list,
-                                       wrapped_vars_scope)
+                                     wrapped_vars_scope)
     with tf.compat.v1.name_scope(first(scope)):
-      return self._cycle_end(
-          distribution, distribution.experimental_local_results(accumulate),
+      return self._end_micro_step(
+          distribution, distribution.experimental_local_results(micro_step),
           part)
 
-  def _cycle_end(self, distribution, accumulate, part):
+  def _end_micro_step(self, distribution, micro_steps, part):
     """2. The decision: the apply step on the cycle's last micro-step.
 
-    `distribution`: the strategy (GPU path) or None (TPU path); `accumulate`
-    the micro-step's ops, one per replica; `part` the `ReplicaPart`
-    (PerReplica under a strategy). Returns the micro-step's op.
+    `distribution`: the strategy (GPU path) or None (TPU path);
+    `micro_steps` the micro-step's ops, one per replica; `part` the
+    `ReplicaPart` (PerReplica under a strategy). Returns the micro-step's
+    op, which ends by advancing the cycle.
     """
     state = distribute.first_replica(distribution, part).state
-    cycle = state.cycle
-    if cycle is None:  # grad_steps=1: every micro-step applies
-      with tf.control_dependencies(accumulate):
-        done = self._apply_step(distribution, part, None)
-    else:
-      # Under a multi-worker strategy, a session begun mid-cycle drops it.
-      restart = distribute.mid_cycle_restart()
-      position = state.read_position(accumulate, restart and restart.check)
+    # Under a multi-worker strategy, a session begun mid-cycle drops it.
+    restart = distribute.mid_cycle_restart()
+    position = state.read_position(micro_steps, restart and restart.check)
+    with tf.control_dependencies(micro_steps):
+      applied = lazy_cond.cond(
+          position.is_end,
+          lambda: self._apply_step(distribution, part, position, restart),
+          tf.no_op)
+    # After the decision: the cycle's read precedes its write.
+    with tf.control_dependencies([applied]):
+      return state.advance(position)
 
-      def apply_and_advance():
-        applied = self._apply_step(distribution, part, position, restart)
-        with tf.control_dependencies([applied]):
-          return cycle.advance(position)
-
-      # Both branches advance: the cycle's read precedes its write.
-      done = lazy_cond.cond(position.is_end, apply_and_advance,
-                            lambda: cycle.advance(position))
-    if state.global_step is None or (cycle and cycle.counts_global_step):
-      return done
-    with tf.control_dependencies([done]):  # counted beside the cycle
-      return steps.count_on(state.global_step)
-
-  def _apply_step(self, distribution, part, position, restart=None):
+  def _apply_step(self, distribution, part, position, restart):
     """3. Sum the counts over replicas, decide, apply and reset on each.
 
-    `position` is the cycle's last micro-step's (None with grad_steps=1);
-    `restart` a `distribute.MidCycleRestart`, or None.
+    `restart`: a `distribute.MidCycleRestart`, or None.
     """
-    rules = self._rules
+    policy = self._policy
     state = distribute.first_replica(distribution, part).state
-    length = rules.grad_steps if position is None else position.length
     # `checks`: under a multi-worker schedule, that the lengths agree.
-    totals, replicas, checks = cycle_state.summed_counts(
-        rules, distribution, part, self._apply_crs_to_grad, length)
-    fraction = cycle_state.scale(rules, totals, replicas, length)
-    policy = cycle_state.should_apply(rules, totals)  # None: always
-    apply_now = policy
+    totals, replicas, checks = distribute.summed_counts(
+        policy.counts, distribution, cycle.ReplicaPart.counts_of_cycle, part,
+        self._apply_crs_to_grad,
+        None if isinstance(self._grad_steps, int) else position.length)
+    fraction = numerics.scale(policy, totals, replicas, position.length)
+    decision = numerics.should_apply(policy, totals)  # None: always
+    apply_now = decision
     if restart is not None:  # multi-worker: False on a cycle begun mid-way
       kept = restart.keeps_cycle(after=checks)
-      apply_now = kept if policy is None else tf.logical_and(policy, kept)
+      apply_now = kept if decision is None else tf.logical_and(decision, kept)
+    on_each = lambda apply: self._on_each_replica(
+        distribution, part, position.length, fraction if apply else None,
+        apply)
     if apply_now is None:
-      return self._on_each_replica(distribution, part, length, fraction)
-    applied = lazy_cond.cond(
-        apply_now,
-        lambda: self._on_each_replica(distribution, part, length, fraction),
-        lambda: self._on_each_replica(distribution, part, length, None,
-                                      apply=False))
+      return on_each(True)
+    applied = lazy_cond.cond(apply_now, lambda: on_each(True),
+                             lambda: on_each(False))
+    if not policy.nonfinite_policy:
+      return applied
     with tf.control_dependencies([applied]):
-      return tf.group(applied,
-                      *cycle_state.count_skipped(state, totals, policy))
+      return tf.group(applied, *state.count_skipped(
+          numerics.skipped(totals, decision)))
 
-  def _on_each_replica(self, distribution, part, length, fraction,
-                       apply=True):
+  def _on_each_replica(self, distribution, part, length, fraction, apply):
     if distribution is None:  # the TPU path: this replica
       return self._apply_and_reset(part, length, fraction, apply)
     return distribution.group(distribution.extended.call_for_each_replica(
@@ -357,30 +353,25 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         args=(part,)))
 
   def _apply_and_reset(self, part, length, fraction, apply):
-    """On one replica: applies the cycle's gradient (if `apply`), resets.
+    """4. On one replica: applies the cycle's gradient (if `apply`), resets.
 
-    `fraction` (`cycle_state.scale`) turns the sum of the cycle's `length`
+    `fraction` (`numerics.scale`) turns the sum of the cycle's `length`
     micro-steps into the cycle's gradient."""
-    read = part.gradients if part.accumulators is None else [
-        a.read(length) for a in part.accumulators]
+    read = part.accumulators.read(length, part.gradients)
     done = tf.no_op()
     if apply:
-      grads = read
+      gradients = read.gradients
       if self._apply_crs_to_grad:
-        grads = [tf.compat.v1.tpu.cross_replica_sum(g) for g in grads]
-      grads = [numerics.map_values(
-          g, lambda x: cycle_state.apply_scale(x, fraction)) for g in grads]
+        gradients = [tf.compat.v1.tpu.cross_replica_sum(g) for g in gradients]
+      gradients = numerics.apply_scale(gradients, fraction)
       # Clipped once the cycle's gradient is complete, as the large batch's.
       if self._clip_norm is not None:
-        grads = numerics.clip_by_global_norm(grads, self._clip_norm)
-      grads = numerics.cast_like(grads, part.var_list)
-      done = self._opt.apply_gradients(list(zip(grads, part.var_list)))
-    if part.accumulators is None:
-      return done
+        gradients = numerics.clip_by_global_norm(gradients, self._clip_norm)
+      gradients = numerics.cast_like(gradients, part.var_list)
+      done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
     with tf.control_dependencies([done]):
-      resets = cycle_state.reset_counts(part.state)
-    return tf.group(*(resets + accumulators_lib.reset_all(
-        part.accumulators, read, done)))
+      resets = part.state.reset_counts()
+    return tf.group(part.accumulators.reset(done, read), *resets)
 
   # ------------------------------------------------ the wrapped optimizer --
 
@@ -398,3 +389,4 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       variables.extend(own for own in state.variables()
                        if getattr(own, 'graph', None) is graph)
     return sorted(variables, key=lambda v: v.name)
+

@@ -22,9 +22,9 @@ from __future__ import division
 from __future__ import print_function
 
 from deferred_grad import compat
+from deferred_grad import kernels
 from deferred_grad import lazy_cond
 from deferred_grad import sharding
-from deferred_grad import zeros
 
 tf = compat.import_tensorflow()
 
@@ -92,7 +92,7 @@ def check_dense(variable):
       # Not `assign`, which checks the shape the restore changed.
       return tf.raw_ops.AssignVariableOp(
           resource=variable.handle, validate_shape=False,
-          value=zeros.run_time_zeros(static, variable.dtype.base_dtype))
+          value=kernels.run_time_zeros(static, variable.dtype.base_dtype))
 
   is_dense = tf.reduce_all(tf.equal(shape, tf.constant(static, tf.int64)))
   return lazy_cond.cond(is_dense, tf.no_op, from_list)
@@ -132,6 +132,8 @@ class RowListAccumulator(object):
     variable: the table (or one partition of it).
     dtype: the accumulator's dtype.
   """
+
+  in_place = False  # see `accumulators.Accumulators`
 
   def __init__(self, slot, variable, dtype):
     self.slot = slot
@@ -243,6 +245,8 @@ class SparseAccumulator(object):
     in_xla: built inside an XLA computation (no queue; a dense hand-off).
   """
 
+  in_place = False  # see `accumulators.Accumulators`
+
   def __init__(self, slot, num_partitions=None, in_xla=False):
     self.slot = slot
     self._num_partitions = num_partitions
@@ -320,7 +324,7 @@ class SparseAccumulator(object):
     """
     with tf.control_dependencies([after]):
       if not isinstance(gradient, tf.IndexedSlices):  # inside XLA
-        return zeros.zero_in_place(self.local, shared_zeros)
+        return kernels.zero(self.local, shared_zeros)
       dtype = self.slot.dtype.base_dtype
       return self.local.scatter_update(
           tf.IndexedSlices(tf.zeros_like(gradient.values, dtype),
@@ -353,6 +357,8 @@ class RowQueueAccumulator(object):
     dtype: the accumulator's dtype.
     device: the worker's device.
   """
+
+  in_place = False  # see `accumulators.Accumulators`
 
   def __init__(self, variable, dtype, device):
     self._dtype = dtype

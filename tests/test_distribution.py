@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import models
+from test_costs import if_lowering
 import training
 from models import make_data
 from training import assert_same_training
@@ -66,18 +67,6 @@ def test_each_replica_keeps_its_own_accumulator():
   assert not np.allclose(values[0], values[1])
 
 
-def _if_lowering(graph):
-  """The `_lower_using_switch_merge` attribute of each `If` op, or None."""
-  values = []
-  for op in graph.get_operations():
-    if op.type == 'If':
-      try:
-        values.append(op.get_attr('_lower_using_switch_merge'))
-      except ValueError:
-        values.append(None)
-  return values
-
-
 def test_variables_on_two_devices_match_large_batch(use_tpu):
   """As with parameter servers: variables on several devices."""
 
@@ -94,12 +83,4 @@ def test_variables_on_two_devices_match_large_batch(use_tpu):
   assert_same_training(actual, expected)
   if tf.compat.v1.control_flow_v2_enabled():
     # Lowered: an unlowered If would have to sit with both devices' resources.
-    assert _if_lowering(graph) == [True]
-
-
-def test_cond_runs_as_a_function_on_one_device(use_tpu):
-  graph = training.Trainer(models.sgd, GRAD_STEPS, use_tpu=use_tpu).graph
-  if tf.compat.v1.control_flow_v2_enabled():
-    assert _if_lowering(graph) == [False]
-  else:
-    assert not _if_lowering(graph)  # control flow v1: Switch/Merge
+    assert if_lowering(graph) == [True]

@@ -1,0 +1,381 @@
+"""A train op's cycle: where a micro-step is in it, and the state it keeps.
+
+A cycle is `grad_steps` micro-steps; its last one applies the update. Three
+kinds of cycle share one interface (`divisor`, what a micro-step divides
+its gradients by as it adds them; `read`, the micro-step's `Position`;
+`advance`; `variables`), so that the optimizer never asks which one it has:
+
+* `EveryMicroStep`, for grad_steps=1: each micro-step is a whole cycle.
+* `StepCycle`, for an int `grad_steps`: the position is read from a step
+  variable, the `global_step` passed to `apply_gradients` (counting
+  micro-steps without bound, as in the original) or the wrapper's own
+  `update_count` (the TPU path, or no `global_step`), which counts
+  micro-steps modulo `grad_steps` (a float32 stops counting at 2**24).
+* `Schedule`, for a tensor or callable `grad_steps`: three counters of its
+  own hold the position, the length (read from the schedule on the cycle's
+  first micro-step, then held) and the updates applied.
+
+`TrainOpState` holds a train op's cycle and the rest of its state as data:
+this cycle's counts on each replica (see `numerics`) and the totals of what
+a policy skipped; `state` creates it, once for all replicas. `ReplicaPart`
+is one replica's part of a train op: the values its apply step needs.
+"""
+
+from __future__ import absolute_import
+from __future__ import division
+from __future__ import print_function
+
+import collections
+
+from deferred_grad import arguments
+from deferred_grad import compat
+
+tf = compat.import_tensorflow()
+
+# A micro-step's place in its cycle, read before it is counted: `in_cycle`
+# (an int64 scalar, 0 on a cycle's first micro-step), `length` (the cycle's
+# grad_steps: an int, or an int64 scalar under a schedule), `is_end` (True,
+# or a boolean scalar: this micro-step applies), `updates` (the updates
+# applied before it: an int64 scalar, or None where only `global_step`
+# knows) and `step` (the value read of a `StepCycle`'s step, else None).
+Position = collections.namedtuple(
+    'Position', ['in_cycle', 'length', 'is_end', 'updates', 'step'])
+
+
+def count_on(step):
+  """Adds one micro-step to a global step (atomically: workers share it)."""
+  if compat.is_ref_variable(step):
+    # Locked: workers sharing the step on a parameter server add at once.
+    return tf.compat.v1.assign_add(step, 1, use_locking=True).op
+  return step.assign_add(1, read_value=False)
+
+
+class EveryMicroStep(object):
+  """The cycle of grad_steps=1: every micro-step ends it; nothing is kept."""
+
+  grad_steps = 1
+  counts_global_step = False
+
+  def variables(self):
+    return []
+
+  def divisor(self):
+    return 1
+
+  def read(self, after, check=None):
+    del after, check  # no counter to read, and never mid-cycle
+    return Position(in_cycle=tf.constant(0, tf.int64), length=1,
+                    is_end=True, updates=None, step=None)
+
+  def advance(self, position):
+    del position
+    return tf.no_op()
+
+
+class StepCycle(object):
+  """A cycle of an int `grad_steps`, decided on a step variable.
+
+  Args:
+    grad_steps: micro-steps per cycle (an int above 1).
+    step: the variable the cycle is decided on: `global_step`, or the
+      wrapper's own `update_count`.
+    counts_global_step: whether `step` is the `global_step` (counted
+      without bound; else counted modulo `grad_steps`).
+  """
+
+  def __init__(self, grad_steps, step, counts_global_step):
+    self.grad_steps = grad_steps
+    self.step = step
+    self.counts_global_step = counts_global_step
+
+  def variables(self):
+    return [] if self.counts_global_step else [self.step]
+
+  def divisor(self):
+    return self.grad_steps
+
+  def read(self, after, check=None):
+    """The `Position` of this micro-step, read after the ops `after`.
+
+    Args:
+      after: ops to run first (the micro-step's accumulation).
+      check: None, or `check(in_cycle, value)` returning `value` checked.
+    """
+    with tf.control_dependencies(after):
+      value = self.step.read_value()
+    if check is not None:
+      value = check(tf.math.floormod(value, self.grad_steps), value)
+    in_cycle = tf.math.floormod(value, self.grad_steps)
+    return Position(
+        in_cycle=tf.cast(in_cycle, tf.int64), length=self.grad_steps,
+        is_end=tf.equal(in_cycle, self.grad_steps - 1), updates=None,
+        step=value)
+
+  def place(self):
+    """The micro-steps of the cycle so far, read when run (int64)."""
+    return tf.cast(tf.math.floormod(self.step.read_value(), self.grad_steps),
+                   tf.int64)
+
+  def advance(self, position):
+    """Counts the micro-step at `position` (its read ordered before)."""
+    if self.counts_global_step:
+      return count_on(self.step)
+    next_value = tf.math.floormod(position.step + 1, self.grad_steps)
+    return self.step.assign(next_value, read_value=False)
+
+
+class Schedule(object):
+  """The cycle of a schedule: `grad_steps` a tensor or a callable.
+
+  In checkpoints its counters make a job resume mid-cycle with the length
+  the cycle started with, whatever the schedule says by then; a value that
+  changes mid-cycle takes effect at the next cycle.
+
+  Args:
+    grad_steps: a scalar integer tensor, or a callable of the updates
+      applied (an int64 scalar) returning one.
+    counters: three int64 variables: the micro-step's place in its cycle,
+      the cycle's length, the updates applied.
+  """
+
+  counts_global_step = False
+
+  def __init__(self, grad_steps, counters):
+    self._grad_steps = grad_steps
+    self.in_cycle, self.length, self.updates = counters
+
+  def variables(self):
+    return [self.in_cycle, self.length, self.updates]
+
+  def place(self):
+    """The micro-steps of the cycle so far, read when run (int64)."""
+    return self.in_cycle.read_value()
+
+  def _next_length(self, updates):
+    """The schedule's value for the cycle after `updates` updates (int64)."""
+    if tf.is_tensor(self._grad_steps):
+      value = self._grad_steps
+    else:
+      value = arguments.check_schedule_value(self._grad_steps(updates),
+                                             'the callable')
+    return tf.cast(value, tf.int64)
+
+  def divisor(self):
+    """This cycle's length, read before the micro-step adds (int64).
+
+    On a cycle's first micro-step, the schedule's value, checked: a value
+    below 1 fails the micro-step before it adds anything (inside XLA,
+    which compiles an Assert into nothing, it counts as 1).
+    """
+    in_cycle, held, updates = (v.read_value() for v in self.variables())
+    value = self._next_length(updates)
+    if not compat.in_xla_context() and tf.get_static_value(value) is None:
+      check = tf.debugging.Assert(
+          tf.logical_or(tf.not_equal(in_cycle, 0), value >= 1), [
+              'GradientAggregationOptimizer: grad_steps (a schedule) must '
+              'be at least 1 at every cycle; after', updates, 'updates it '
+              'gave', value])
+      with tf.control_dependencies([check]):
+        value = tf.identity(value)
+    return tf.where(tf.equal(in_cycle, 0), tf.maximum(value, 1), held)
+
+  def read(self, after, check=None):
+    """The `Position` of this micro-step, read after the ops `after`."""
+    with tf.control_dependencies(after):
+      # Copied (stacked): under ref variables (v1 behaviour) a read may
+      # alias the variable's buffer, which `advance` then writes in place.
+      in_cycle, held, updates = tf.unstack(tf.stack(
+          [v.read_value() for v in self.variables()]))
+    if check is not None:
+      in_cycle = check(in_cycle, in_cycle)
+    length = tf.where(tf.equal(in_cycle, 0),
+                      tf.maximum(self._next_length(updates), 1), held)
+    return Position(in_cycle=in_cycle, length=length,
+                    is_end=in_cycle + 1 >= length, updates=updates, step=None)
+
+  def advance(self, position):
+    """Counts the micro-step at `position`: writes all three counters."""
+    values = (tf.where(position.is_end, tf.zeros_like(position.in_cycle),
+                       position.in_cycle + 1),
+              position.length,
+              position.updates + tf.cast(position.is_end, tf.int64))
+    return tf.group(*[v.assign(value, read_value=False)
+                      for v, value in zip(self.variables(), values)])
+
+
+class TrainOpState(object):
+  """One train op's state, shared by the replicas that build it.
+
+  Args and attributes:
+    cycle: an `EveryMicroStep`, `StepCycle` or `Schedule`.
+    global_step: the `global_step` the train op counts, or None.
+    counts: {name: variable} of this cycle's per-replica counts, in the
+      order of `numerics.Policy.counts`; None where the micro-step is its
+      cycle (its counts are the micro-step's own).
+    skipped: (micro-batches, cycles) int64 totals of what a
+      `nonfinite_policy` skipped, or (None, None).
+
+  Attributes:
+    position: the `Position` this train op's run reads before it counts
+      the micro-step (None until `read_position`).
+  """
+
+  def __init__(self, cycle, global_step, counts, skipped):
+    self.cycle = cycle
+    self.global_step = global_step
+    self.counts = counts
+    self.skipped_micro_batches, self.skipped_cycles = skipped
+    self.position = None
+
+  def divisor(self):
+    """What this micro-step divides its gradients by (see the cycles)."""
+    return self.cycle.divisor()
+
+  def read_position(self, after, check=None):
+    """Reads and keeps the micro-step's `Position`, after the ops `after`.
+
+    `check`: None, or `distribute.MidCycleRestart.check`.
+    """
+    self.position = self.cycle.read(after, check)
+    return self.position
+
+  def add_counts(self, increments):
+    """Ops adding a micro-step's `numerics.increments` to the counts."""
+    return [compat.local_variable(v).assign_add(count, read_value=False)
+            for v, count in zip((self.counts or {}).values(), increments)]
+
+  def counts_of_cycle(self, increments):
+    """This replica's counts of the cycle, this micro-step's included.
+
+    Copied: under ref variables (v1 behaviour) a read may alias the
+    variable's buffer, which the apply step then resets in place.
+    """
+    if self.counts is None:
+      counts = list(increments)
+    else:
+      counts = [compat.local_variable(v).read_value()
+                for v in self.counts.values()]
+    return tf.unstack(tf.stack(counts)) if counts else []
+
+  def reset_counts(self):
+    """Ops zeroing this replica's counts for the next cycle."""
+    return [compat.local_variable(v).assign(0.0, read_value=False)
+            for v in (self.counts or {}).values()]
+
+  def count_skipped(self, skipped):
+    """Ops adding (micro-batches, cycles) skipped to the totals."""
+    if self.skipped_cycles is None:
+      return []
+    return [total.assign_add(value, read_value=False) for total, value in
+            zip((self.skipped_micro_batches, self.skipped_cycles), skipped)]
+
+  def advance(self, position):
+    """Counts the micro-step at `position` in the cycle and `global_step`."""
+    advanced = self.cycle.advance(position)
+    if self.global_step is None or self.cycle.counts_global_step:
+      return advanced
+    with tf.control_dependencies([advanced]):  # counted beside the cycle
+      return count_on(self.global_step)
+
+  def applies_update(self):
+    """True when this run ends a cycle (a boolean tensor)."""
+    return tf.convert_to_tensor(self.position.is_end)
+
+  def micro_step_in_cycle(self):
+    """This run's place in its cycle, an int64 tensor."""
+    return self.position.in_cycle
+
+  def applied_updates(self):
+    """The updates this train op has applied before this run (int64).
+
+    Raises:
+      ValueError: an int `grad_steps` without a `global_step`.
+    """
+    if self.position.updates is not None:
+      # Read with the position: a read of its own would race the count.
+      return self.position.updates
+    if self.global_step is None:
+      raise ValueError(
+          'applied_updates(): with an int grad_steps the updates are counted '
+          'by the global_step only, and this train op was built without one. '
+          'Pass global_step to minimize (or apply_gradients), or give '
+          'grad_steps as a schedule (a tensor or a callable), whose train op '
+          'counts its updates itself.')
+    return tf.math.floordiv(
+        tf.cast(self.global_step.read_value(), tf.int64),
+        self.cycle.grad_steps)
+
+  def variables(self):
+    own = self.cycle.variables()
+    own += [self.counts[name] for name in sorted(self.counts or {})]
+    return own + [v for v in (self.skipped_micro_batches, self.skipped_cycles)
+                  if v is not None]
+
+
+class ReplicaPart(object):
+  """One replica's part of one train op: plain values for the apply step.
+
+  Args and attributes:
+    state: the train op's `TrainOpState` (shared by the replicas).
+    var_list: the variables.
+    accumulators: their `accumulators.Accumulators` (or `PassThrough`).
+    gradients: the micro-step's weighed gradients.
+    increments: the micro-step's counts (`numerics.increments`).
+  """
+
+  def __init__(self, state, var_list, accumulators, gradients, increments):
+    self.state = state
+    self.var_list = list(var_list)
+    self.accumulators = accumulators
+    self.gradients = gradients
+    self.increments = increments
+
+  def counts_of_cycle(self):
+    """This replica's counts of the cycle, this micro-step's included."""
+    return self.state.counts_of_cycle(self.increments)
+
+
+def applied_updates(global_step, grad_steps, name=None):
+  """Returns how many accumulated updates have been applied, as a tensor.
+
+  `GradientAggregationOptimizer` increments `global_step` once per micro-step,
+  so a learning-rate schedule or `AdagradDAOptimizer` that reads
+  `global_step` would advance `grad_steps` times too fast. Give them this
+  tensor instead: read while an update is applied, it equals the `global_step`
+  that large-batch training would have at that update.
+
+  ```python
+  global_step = tf.compat.v1.train.get_or_create_global_step()
+  updates = deferred_grad.applied_updates(global_step, grad_steps=4)
+  learning_rate = tf.compat.v1.train.exponential_decay(
+      0.1, updates, decay_steps=1000, decay_rate=0.5)
+  opt = deferred_grad.GradientAggregationOptimizer(
+      tf.compat.v1.train.MomentumOptimizer(learning_rate, 0.9), grad_steps=4)
+  ```
+
+  With a schedule (`grad_steps` a tensor or a callable) the updates are
+  not a function of `global_step`: use the wrapper's
+  `GradientAggregationOptimizer.applied_updates()` there.
+
+  Args:
+    global_step: the integer step variable (or tensor) passed to
+      `apply_gradients`, counting micro-steps.
+    grad_steps: the wrapper's `grad_steps`.
+    name: optional name for the returned tensor's scope.
+
+  Returns:
+    An integer tensor: `global_step // grad_steps`.
+
+  Raises:
+    TypeError, ValueError: `grad_steps` is not a positive int (a schedule
+      included).
+  """
+  if tf.is_tensor(grad_steps) or callable(grad_steps):
+    raise TypeError(
+        'deferred_grad.applied_updates(global_step, grad_steps) needs an int '
+        'grad_steps, got the schedule %r: under a schedule the updates are '
+        'not a function of global_step; use the wrapper\'s '
+        'applied_updates() method.' % (grad_steps,))
+  grad_steps = arguments.check_positive_int(grad_steps, 'grad_steps')
+  with tf.compat.v1.name_scope(name, 'applied_updates', [global_step]):
+    return tf.math.floordiv(global_step, grad_steps)

@@ -1,0 +1,206 @@
+"""What a step costs: the buffers it keeps and the ops it runs.
+
+The levers of `tools/benchmark --suites=memory,step`, pinned: accumulators
+start as run-time zeros and are zeroed in their own buffer (memory); a
+micro-step runs a bare step's ops plus a few whatever the number of
+variables, an apply step a few per variable, and the cycle's `tf.cond`
+runs only the branch taken (time, which on many small variables is the
+number of ops the executor schedules).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import deferred_grad
+import models
+import training
+
+GRAD_STEPS = 4
+
+
+def test_accumulators_start_as_run_time_zeros():
+  """No accumulator's initial value is a constant the session would keep.
+
+  A session keeps every constant its executors ran; zeros of a known shape
+  become one after constant folding, and the original's zeros slots pinned
+  1x the parameter bytes that way (tools/benchmark --suites=memory).
+  """
+  with tf.Graph().as_default():
+    loss, model = models.model_loss(
+        tf.ones([2, models.INPUT_DIM]), tf.ones([2, models.OUTPUT_DIM]))
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), GRAD_STEPS)
+    optimizer.minimize(loss)
+    for name, variable in sorted(model.items()):
+      initial = optimizer.get_slot(variable, 'grad_accum').initial_value
+      assert initial.op.type == 'Fill', name
+      assert initial.op.inputs[1].op.type == 'PlaceholderWithDefault', name
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for name, variable in model.items():
+        accumulator = session.run(optimizer.get_slot(variable, 'grad_accum'))
+        assert accumulator.shape == tuple(variable.shape), name
+        assert not np.any(accumulator), name
+
+
+def _buffer_of(session, tensor):
+  """(address, bytes allocated) of `tensor`'s buffer in a traced run."""
+  metadata = tf.compat.v1.RunMetadata()
+  session.run(tensor.op, options=tf.compat.v1.RunOptions(
+      trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=metadata)
+  for device in metadata.step_stats.dev_stats:
+    for node in device.node_stats:
+      if node.node_name == tensor.op.name:
+        return (node.output[0].tensor_description.allocation_description.ptr,
+                sum(memory.total_bytes for memory in node.memory))
+  raise AssertionError('%s did not run' % tensor.op.name)
+
+
+def test_large_accumulators_are_zeroed_in_their_own_buffer(use_tpu):
+  """The apply step zeroes a large accumulator where it is.
+
+  Assigning it its own zeros makes a second buffer as large as the
+  accumulator, whose pages the CPU allocator then keeps (+1.5x the
+  parameter bytes of peak RSS, tools/benchmark --suites=memory); a scatter
+  that left the variable in copy-on-read mode makes every read copy it.
+  Either shows as a read whose buffer moves from cycle to cycle. (Resource
+  variables: a ref variable's assign copies into its buffer, so only memory
+  shows it.) Accumulators up to 1 MiB are zeroed from zeros shared by their
+  shape instead (see the op-count test below).
+  """
+  rows = 640  # 640 x 512 float32: 1.25 MiB
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', initializer=tf.ones([rows, 512]),
+                                  use_resource=True)
+    x = tf.compat.v1.placeholder(tf.float32, [512])
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.01), GRAD_STEPS,
+        use_tpu=use_tpu)
+    train_op = optimizer.minimize(tf.reduce_sum(tf.linalg.matvec(w, x)**2))
+    accumulator = optimizer.get_slot(w, 'grad_accum')
+    read = tf.identity(accumulator.read_value())
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      buffers = []
+      for _ in range(3 * GRAD_STEPS):
+        session.run(train_op, {x: np.ones(512)})
+        buffers.append(_buffer_of(session, read))
+      assert not np.any(session.run(accumulator))
+  assert len(set(buffers)) == 1, buffers
+  assert buffers[0][1] == 0, buffers  # the read copied nothing
+
+
+def _executed_nodes(session, op, feed):
+  metadata = tf.compat.v1.RunMetadata()
+  session.run(op, feed, options=tf.compat.v1.RunOptions(
+      trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=metadata)
+  return sum(len(device.node_stats) for device in metadata.step_stats.dev_stats)
+
+
+def _small_variables(grad_steps, optimizer='GradientDescent', use_tpu=False,
+                     count=40):
+  """(session, train op, feed): `count` 8x8 resource variables."""
+  graph = tf.Graph()
+  with graph.as_default():
+    ws = [tf.compat.v1.get_variable('w%d' % i, initializer=tf.ones([8, 8]),
+                                    use_resource=True)
+          for i in range(count)]
+    x = tf.compat.v1.placeholder(tf.float32, [8])
+    loss = tf.add_n([tf.reduce_sum(tf.linalg.matvec(w, x)**2) for w in ws])
+    opt = models.OPTIMIZERS[optimizer](None)
+    if grad_steps is not None:
+      opt = deferred_grad.GradientAggregationOptimizer(opt, grad_steps,
+                                                       use_tpu=use_tpu)
+    train_op = opt.minimize(
+        loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+    session = tf.compat.v1.Session(graph=graph)
+    session.run(tf.compat.v1.global_variables_initializer())
+  return session, train_op, {x: np.ones(8)}
+
+
+@pytest.mark.parametrize('optimizer', ['GradientDescent', 'Momentum'])
+def test_apply_step_costs_few_ops_per_small_variable(optimizer, use_tpu):
+  """On many small variables an apply step's cost is its op count.
+
+  Over a micro-step that only accumulates, the apply step may run, per
+  variable: the wrapped optimizer's update, one zeroing op and the
+  branch's argument for the variable (the accumulators' handles and reads
+  are one op each, `kernels`), plus a few ops per step.
+  """
+  variables = 40
+  session, train_op, feed = _small_variables(GRAD_STEPS, optimizer, use_tpu,
+                                             variables)
+  with session:
+    counts = [_executed_nodes(session, train_op, feed)
+              for _ in range(2 * GRAD_STEPS)]
+  micro_step, apply_step = counts[0], counts[GRAD_STEPS - 1]
+  assert counts[GRAD_STEPS:] == counts[:GRAD_STEPS], counts
+  wrapped = 1 if optimizer == 'GradientDescent' else 2  # Momentum: + slot
+  limit = variables * (2 + wrapped) + 12
+  assert apply_step - micro_step <= limit, (
+      'the apply step runs %d ops more than a micro-step on %d variables; '
+      'at most %d expected' % (apply_step - micro_step, variables, limit))
+
+
+def test_a_micro_step_runs_a_bare_steps_ops_plus_a_few(use_tpu):
+  """Not one op more per variable: the accumulators' handles come from one
+  op per device (`kernels.handles`)."""
+  variables = 40
+  counts = []
+  for grad_steps in (None, 10**9):
+    session, train_op, feed = _small_variables(grad_steps, use_tpu=use_tpu,
+                                               count=variables)
+    with session:
+      counts.append(_executed_nodes(session, train_op, feed))
+  # Control flow v1 lowers the tf.cond: dead tensors pass through the
+  # apply branch's ops on every micro-step.
+  limit = 20 if tf.compat.v1.control_flow_v2_enabled() else variables + 20
+  assert counts[1] - counts[0] <= limit, counts
+
+
+def if_lowering(graph):
+  """The `_lower_using_switch_merge` attribute of each `If` op, or None."""
+  values = []
+  for op in graph.get_operations():
+    if op.type == 'If':
+      try:
+        values.append(op.get_attr('_lower_using_switch_merge'))
+      except ValueError:
+        values.append(None)
+  return values
+
+
+def test_cond_runs_as_a_function_on_one_device(use_tpu):
+  graph = training.Trainer(models.sgd, GRAD_STEPS, use_tpu=use_tpu).graph
+  if tf.compat.v1.control_flow_v2_enabled():
+    assert if_lowering(graph) == [False]
+  else:
+    assert not if_lowering(graph)  # control flow v1: Switch/Merge
+
+
+def _handle_batches(device=None, gpu_in_process=False, monkeypatch=None):
+  """The devices of the accumulator handle batches of a 3-variable model."""
+  if gpu_in_process:
+    monkeypatch.setattr(deferred_grad.kernels, '_LOCAL_GPUS', [True])
+  graph = tf.Graph()
+  with graph.as_default(), graph.device(device):
+    ws = [tf.compat.v1.get_variable('w%d' % i, [2], use_resource=True)
+          for i in range(3)]
+    deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), GRAD_STEPS
+    ).minimize(tf.add_n([tf.reduce_sum(w) for w in ws]))
+  # (Control flow v1 builds the apply branch's batch in this graph too.)
+  return {op.device for op in graph.get_operations()
+          if op.type == '_VarHandlesOp'}
+
+
+def test_handles_are_batched_only_where_the_device_is_a_known_cpu(
+    monkeypatch):
+  """A batch finds its variables in its own device's resource manager."""
+  assert _handle_batches() == {''}  # no GPU here: all on this CPU
+  assert _handle_batches('/cpu:0') == {'/device:CPU:0'}
+  assert not _handle_batches('/gpu:0')
+  assert not _handle_batches('/job:worker/task:1')  # maybe another machine
+  # Unplaced, in a process with a GPU: the placer may put them there.
+  assert not _handle_batches(gpu_in_process=True, monkeypatch=monkeypatch)
