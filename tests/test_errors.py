@@ -9,6 +9,9 @@ import tensorflow as tf
 
 import deferred_grad
 import models
+import test_schedules
+import test_sharding
+import training
 from deferred_grad import compat
 
 GradientAggregationOptimizer = deferred_grad.GradientAggregationOptimizer
@@ -341,3 +344,99 @@ def test_tpu_path_under_a_multi_replica_strategy_is_refused():
                          'MirroredStrategy with 2 replicas.*use_tpu=False'):
         strategy.extended.call_for_each_replica(
             lambda: optimizer.minimize(tf.reduce_sum(w)))
+
+
+# ------------------------------------------- schedules and topologies --
+
+
+@pytest.mark.parametrize('grad_steps, error, message', [
+    (tf.constant(2.0), TypeError, 'dtype float32'),
+    (tf.constant([2, 3]), ValueError, 'shape'),
+    (tf.constant(0), ValueError, 'gave 0'),
+    (lambda updates: 2.0, TypeError, 'the callable gave 2.0'),
+    (lambda updates: tf.constant(2.0), TypeError, 'dtype float32'),
+    (lambda updates: tf.zeros([2], tf.int64), ValueError, 'shape'),
+    (lambda updates: 0, ValueError, 'the callable gave 0'),
+])
+def test_a_bad_schedule_is_refused_at_graph_build(grad_steps, error, message):
+  with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [None, models.INPUT_DIM])
+    y = tf.compat.v1.placeholder(tf.float32, [None, models.OUTPUT_DIM])
+    loss, _ = models.model_loss(x, y)
+    if tf.is_tensor(grad_steps):  # a tensor of this graph
+      grad_steps = tf.constant(tf.get_static_value(grad_steps))
+    with pytest.raises(error, match='grad_steps.*' + message):
+      deferred_grad.GradientAggregationOptimizer(
+          models.sgd(), grad_steps).minimize(loss)
+
+
+def test_a_schedule_below_one_fails_at_the_cycles_first_micro_step(use_tpu):
+  data = test_schedules._data('mlp', [2, 1])  # pylint: disable=protected-access
+  trainer = test_schedules.Scheduled(models.sgd, 'tensor', use_tpu=use_tpu)
+  cycles = test_schedules._cycles(data, [2, 1])  # pylint: disable=protected-access
+  with trainer.session() as session:
+    trainer.run(session, cycles[:1], [2])
+    before = session.run(trainer.variables)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r'grad_steps \(a schedule\) must be at least 1'):
+      trainer.micro_step(session, cycles[1][0], 0)
+    after = session.run(trainer.variables)
+  training.assert_same_training([after], [before], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('grad_steps', [lambda updates: 2, 'tensor'])
+def test_the_applied_updates_helper_refuses_a_schedule(grad_steps):
+  with tf.Graph().as_default():
+    if grad_steps == 'tensor':
+      grad_steps = tf.constant(2)
+    step = tf.compat.v1.train.get_or_create_global_step()
+    with pytest.raises(TypeError, match=r'grad_steps.*applied_updates\(\)'):
+      deferred_grad.applied_updates(step, grad_steps)
+
+
+@pytest.mark.parametrize('grad_steps', [1, 2])
+def test_cross_replica_sum_outside_a_tpu_computation_raises(use_tpu,
+                                                            grad_steps):
+  """It would fail at the first session.run: "No registered
+  'CrossReplicaSum' OpKernel for 'CPU' devices"."""
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match='apply_crs_to_grad=True .* only '
+                       'inside a TPU computation'):
+      test_sharding.crs_train_op(use_tpu, grad_steps)
+
+
+def test_parameter_server_strategy_is_refused_at_graph_build():
+  # Its variable placement would share the accumulators among workers.
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec({'worker': ['127.0.0.1:1', '127.0.0.1:2'],
+                            'ps': ['127.0.0.1:3']}),
+      task_type='worker', task_id=1)
+  strategy = tf.compat.v1.distribute.experimental.ParameterServerStrategy(
+      resolver)
+  with tf.Graph().as_default(), strategy.scope():
+    w = tf.compat.v1.get_variable('w', [3])
+
+    def step():
+      opt = deferred_grad.GradientAggregationOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1), 2)
+      return opt.minimize(tf.reduce_sum(w * w))
+
+    with pytest.raises(RuntimeError, match='replica_device_setter'):
+      strategy.extended.call_for_each_replica(step)
+
+
+def test_sync_replicas_optimizer_is_refused_at_graph_build():
+  # In either order: SyncReplicasOptimizer's rounds and stale-gradient drops
+  # do not keep cycles of micro-batches together.
+  sgd = tf.compat.v1.train.GradientDescentOptimizer(1.0)
+  sync = tf.compat.v1.train.SyncReplicasOptimizer(sgd, replicas_to_aggregate=2)
+  with pytest.raises(TypeError, match='SyncReplicasOptimizer does not compose'):
+    deferred_grad.GradientAggregationOptimizer(sync, 2)
+  with tf.Graph().as_default():
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    w = tf.compat.v1.get_variable('w', [3])
+    wrapper = deferred_grad.GradientAggregationOptimizer(sgd, 2)
+    outer = tf.compat.v1.train.SyncReplicasOptimizer(wrapper,
+                                                     replicas_to_aggregate=2)
+    with pytest.raises(ValueError, match='wrapped by a SyncReplicasOptimizer'):
+      outer.minimize(tf.reduce_sum(w * w), global_step=global_step)

@@ -507,26 +507,6 @@ def test_a_session_without_the_local_initializer_is_told_to_run_it(
   np.testing.assert_allclose(w[:K], -np.ones(K) / K, rtol=1e-6)
 
 
-def test_parameter_server_strategy_is_refused_at_graph_build():
-  # Its variable placement would share the accumulators among workers.
-  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-      tf.train.ClusterSpec({'worker': ['127.0.0.1:1', '127.0.0.1:2'],
-                            'ps': ['127.0.0.1:3']}),
-      task_type='worker', task_id=1)
-  strategy = tf.compat.v1.distribute.experimental.ParameterServerStrategy(
-      resolver)
-  with tf.Graph().as_default(), strategy.scope():
-    w = tf.compat.v1.get_variable('w', [3])
-
-    def step():
-      opt = deferred_grad.GradientAggregationOptimizer(
-          tf.compat.v1.train.GradientDescentOptimizer(0.1), K)
-      return opt.minimize(tf.reduce_sum(w * w))
-
-    with pytest.raises(RuntimeError, match='replica_device_setter'):
-      strategy.extended.call_for_each_replica(step)
-
-
 @pytest.mark.skipif(
     not hasattr(tf.compat.v1, 'estimator'),
     reason='tf.estimator was removed after TensorFlow 2.15 (tested there)')
@@ -563,20 +543,3 @@ def test_estimator_with_chief_worker_and_two_ps_processes(tmp_path):
   state = np.load(output)
   _check(state['updates'], [state['global_step'], state['w'], state['w2'],
                             state['table']], 2, table=True)
-
-
-def test_sync_replicas_optimizer_is_refused_at_graph_build():
-  # In either order: SyncReplicasOptimizer's rounds and stale-gradient drops
-  # do not keep cycles of micro-batches together.
-  sgd = tf.compat.v1.train.GradientDescentOptimizer(1.0)
-  sync = tf.compat.v1.train.SyncReplicasOptimizer(sgd, replicas_to_aggregate=2)
-  with pytest.raises(TypeError, match='SyncReplicasOptimizer does not compose'):
-    deferred_grad.GradientAggregationOptimizer(sync, K)
-  with tf.Graph().as_default():
-    global_step = tf.compat.v1.train.get_or_create_global_step()
-    w = tf.compat.v1.get_variable('w', [3])
-    wrapper = deferred_grad.GradientAggregationOptimizer(sgd, K)
-    outer = tf.compat.v1.train.SyncReplicasOptimizer(wrapper,
-                                                     replicas_to_aggregate=2)
-    with pytest.raises(ValueError, match='wrapped by a SyncReplicasOptimizer'):
-      outer.minimize(tf.reduce_sum(w * w), global_step=global_step)

@@ -115,7 +115,7 @@ def _all_ops(graph):
   return [(node.op, list(node.input)) for node in nodes]
 
 
-def _crs_train_op(use_tpu, grad_steps, nonfinite_policy=None):
+def crs_train_op(use_tpu, grad_steps, nonfinite_policy=None):
   """minimize() with apply_crs_to_grad=True; its variables a, b, c."""
   variables = [
       tf.compat.v1.get_variable(name, initializer=np.ones([3], np.float32))
@@ -140,19 +140,8 @@ def test_cross_replica_sum_on_accumulated_gradients(use_tpu, grad_steps,
   """
   graph = tf.Graph()
   with graph.as_default():
-    xla.compile(lambda: _crs_train_op(use_tpu, grad_steps, policy))
+    xla.compile(lambda: crs_train_op(use_tpu, grad_steps, policy))
   sums = [op for op, _ in _all_ops(graph) if op == 'CrossReplicaSum']
   assert len(sums) == 3 + (2 if policy else 0)
   without = _build(use_tpu)
   assert 'CrossReplicaSum' not in [op for op, _ in _all_ops(without)]
-
-
-@pytest.mark.parametrize('grad_steps', [1, 2])
-def test_cross_replica_sum_outside_a_tpu_computation_raises(use_tpu,
-                                                            grad_steps):
-  """It would fail at the first session.run: "No registered
-  'CrossReplicaSum' OpKernel for 'CPU' devices"."""
-  with tf.Graph().as_default():
-    with pytest.raises(ValueError, match='apply_crs_to_grad=True .* only '
-                       'inside a TPU computation'):
-      _crs_train_op(use_tpu, grad_steps)

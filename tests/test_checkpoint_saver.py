@@ -1,6 +1,10 @@
-"""Checkpoints restored under other settings than they were written with.
+"""deferred_grad.Saver: checkpoints without the wrapper's state, or written
+under other settings.
 
-A partial cycle's sums mean what the settings they were added under say.
+Without the state (written before accumulation was turned on), the Saver
+restores the model and starts the wrapper's state afresh. Under other
+settings: a partial cycle's sums mean what the settings they were added
+under say.
 The contract (README, "Checkpoints"): a setting that the accumulated sums do
 not depend on (`aggregation`, `use_tpu`'s counter, `sparse_as_dense`, a
 policy's kind) may change at any step; one they depend on may change at a
@@ -328,3 +332,95 @@ def test_each_train_op_of_a_graph_has_its_settings_checked(tmp_path):
   with graph.as_default(), tf.compat.v1.Session() as session:
     with pytest.raises(ValueError, match='grad_steps=2.*grad_steps=4'):
       deferred_grad.Saver().restore(session, path)
+
+
+# ------------------------------------------ checkpoints without state --
+
+
+def _checkpoint_without_wrapper(directory, optimizer='Adam', steps=3):
+  """Trains the MLP with the bare optimizer; returns (path, weights).
+
+  `steps` is a multiple of the grad_steps the tests turn on (3): on the GPU
+  path the cycle is read from global_step, and a restored global_step that
+  is not a multiple of grad_steps starts with a shorter cycle.
+  """
+  data = models.make_data(steps, models.MICRO_BATCH)
+  trainer = training.Trainer(models.OPTIMIZERS[optimizer])
+  with trainer.session() as session:
+    trainer.run(session, data)
+    path = tf.compat.v1.train.Saver().save(session,
+                                           os.path.join(directory, 'model'))
+    return path, session.run(trainer.variables)
+
+
+def test_plain_saver_cannot_restore_it(tmp_path):
+  """Why deferred_grad.Saver exists: a plain Saver's NotFoundError."""
+  path, _ = _checkpoint_without_wrapper(str(tmp_path))
+  trainer = training.Trainer(models.OPTIMIZERS['Adam'], 3)
+  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
+    with pytest.raises(tf.errors.NotFoundError, match='GradientAccumulator'):
+      tf.compat.v1.train.Saver().restore(session, path)
+
+
+@pytest.mark.parametrize('optimizer', ['Adam', 'Momentum'])
+def test_saver_turns_accumulation_on_for_an_old_checkpoint(optimizer, use_tpu,
+                                                           tmp_path):
+  """The model (and Adam's beta powers, named cond/ under v1) restore; the
+  accumulators start at zero; training goes on like the large batch."""
+  path, weights = _checkpoint_without_wrapper(str(tmp_path), optimizer)
+  data = models.make_data(models.CYCLES, 3 * models.MICRO_BATCH, seed=5)
+  large = training.Trainer(models.OPTIMIZERS[optimizer])
+  with large.graph.as_default(), tf.compat.v1.Session() as session:
+    tf.compat.v1.train.Saver().restore(session, path)
+    expected = large.run(session, data)
+  trainer = training.Trainer(models.OPTIMIZERS[optimizer], 3,
+                             use_tpu=use_tpu)
+  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
+    deferred_grad.Saver().restore(session, path)
+    restored = session.run(trainer.variables)
+    for name in weights:
+      np.testing.assert_array_equal(restored[name], weights[name])
+    accumulator = trainer.optimizer.get_slot(trainer.variables['w1'],
+                                             'grad_accum')
+    assert not np.any(session.run(accumulator))
+    actual = trainer.run(session, data)
+  training.assert_same_training(actual, expected)
+
+
+def test_saver_restores_its_own_checkpoints_mid_cycle(tmp_path):
+  """With the state present it restores everything, as a plain Saver."""
+  trainer = training.Trainer(models.OPTIMIZERS['Adam'], 3)
+  x, y = models.make_data(1, models.MICRO_BATCH)
+  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
+    session.run(trainer.init_op)
+    trainer.micro_step(session, x[0], y[0])
+    accumulator = trainer.optimizer.get_slot(trainer.variables['w1'],
+                                             'grad_accum')
+    saved = session.run(accumulator)
+    path = deferred_grad.Saver().save(session, str(tmp_path / 'model'))
+  second = training.Trainer(models.OPTIMIZERS['Adam'], 3)
+  with second.graph.as_default(), tf.compat.v1.Session() as session:
+    deferred_grad.Saver().restore(session, path)
+    accumulator = second.optimizer.get_slot(second.variables['w1'],
+                                            'grad_accum')
+    np.testing.assert_array_equal(session.run(accumulator), saved)
+    assert np.any(saved)
+
+
+def test_saver_in_a_monitored_session_scaffold(use_tpu, tmp_path):
+  """MonitoredTrainingSession on a checkpoint_dir written without it."""
+  checkpoint_dir = str(tmp_path)
+  _checkpoint_without_wrapper(checkpoint_dir)
+  trainer = training.Trainer(models.OPTIMIZERS['Adam'], 3, use_tpu=use_tpu)
+  x, y = models.make_data(6, models.MICRO_BATCH)
+  with trainer.graph.as_default():
+    scaffold = tf.compat.v1.train.Scaffold(saver=deferred_grad.Saver())
+    with tf.compat.v1.train.MonitoredTrainingSession(
+        checkpoint_dir=checkpoint_dir, scaffold=scaffold,
+        save_checkpoint_secs=None, save_checkpoint_steps=None,
+        save_summaries_steps=None, save_summaries_secs=None,
+        log_step_count_steps=None) as session:
+      start = session.run(trainer.global_step)
+      for step in range(6):
+        trainer.micro_step(session, x[step], y[step])
+      assert session.run(trainer.global_step) == start + 6
