@@ -72,6 +72,9 @@ memory only through the smaller micro-batch.
 from benchmarks import common
 
 FLAGS = common.FLAGS
+common.flags.DEFINE_integer(
+    'sessions', 3, 'step: sessions of each variant, timed interleaved; '
+    'the median of their medians is reported.')
 
 # name -> (description, loss builder taking (tf, batch), micro-batch)
 MODELS = {
@@ -89,25 +92,31 @@ def run():
   rows = []
   for description, build_loss, micro_batch in MODELS.values():
     for optimizer in common.OPTIMIZERS:
-      sessions = {
-          'bare': common.training_session(tf, build_loss, micro_batch,
-                                          optimizer, None),
-          # So large a grad_steps that every step only accumulates.
-          'accumulate': common.training_session(tf, build_loss, micro_batch,
-                                                optimizer, 10**9),
-          'cycle': common.training_session(tf, build_loss, micro_batch,
-                                           optimizer, grad_steps),
-          # The same cycles, grad_steps given as a schedule.
-          'schedule': common.training_session(tf, build_loss, micro_batch,
-                                              optimizer, grad_steps,
-                                              schedule=True),
-      }
-      variants = {name: (lambda s=s, op=op: s.run(op))
-                  for name, (s, op, _) in sessions.items()}
-      # Whole cycles in every round, for the 'cycle' variant.
-      times = common.time_interleaved(variants, steps=grad_steps)
+      # Several sessions of each variant, all interleaved: one session's
+      # buffers can sit worse in the caches than another's (two sessions of
+      # one graph differed by up to 7% on the 200-variable model).
+      sessions = {}
+      for instance in range(FLAGS.sessions):
+        for name, steps in (('bare', None),
+                            # So large that every step only accumulates.
+                            ('accumulate', 10**9),
+                            ('cycle', grad_steps), ('schedule', grad_steps)):
+          sessions[name, instance] = common.training_session(
+              tf, build_loss, micro_batch, optimizer, steps,
+              schedule=name == 'schedule')
+      variants = {key: (lambda s=s, op=op: s.run(op))
+                  for key, (s, op, _) in sessions.items()}
+      # Whole cycles in every round, for the 'cycle' variant: as many as
+      # make --steps_per_round steps or more (one round of a single cycle
+      # of 4 steps, 50 ms, swung by 10% on a 2-core VM).
+      cycles = -(-FLAGS.steps_per_round // grad_steps)
+      per_session = common.time_interleaved(variants,
+                                            steps=cycles * grad_steps)
       for session, _, _ in sessions.values():
         session.close()
+      times = {name: common.median([t for (n, _), t in per_session.items()
+                                    if n == name])
+               for name in ('bare', 'accumulate', 'cycle', 'schedule')}
       result = {
           'model': description, 'optimizer': optimizer,
           'micro_batch': micro_batch, 'grad_steps': grad_steps,
