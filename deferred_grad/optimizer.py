@@ -326,8 +326,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         policy.counts, distribution, cycle.ReplicaPart.counts_of_cycle, part,
         self._apply_crs_to_grad,
         None if isinstance(self._grad_steps, int) else position.length)
-    fraction = numerics.scale(policy, totals, replicas, position.length)
     decision = numerics.should_apply(policy, totals)  # None: always
+    fraction = numerics.scale(policy, totals, replicas, position.length)
     apply_now = decision
     if restart is not None:  # multi-worker: False on a cycle begun mid-way
       kept = restart.keeps_cycle(after=checks)
