@@ -22,13 +22,24 @@ Results (`tools/benchmark --suites=step --grad_steps=8`, then
   200 variables of 64x64   SGD   4  13.15  13.38            1.018   55.45    52.59   1.054
   200 variables of 64x64   Adam  4  22.55  14.71            0.653   67.48    90.19   0.748
 
+A second K=8 run the same day: MLP SGD cycle 0.986 (accumulate-only
+1.003), Adam 0.987; 200 variables SGD 1.060 (accumulate-only 1.053), Adam
+0.645.
+
 Targets, SGD: a whole cycle at most 1.05x K bare steps at K=8 and 1.08x at
-K=4: met on the 200-variable model (1.050, 1.054) and at K=4 on the MLP
-(1.067); the MLP's K=8 cycle read 1.052 here (1.01-1.04 in earlier runs:
-its accumulate-only step, memory-bound on 12 MB of accumulators the bare
-step does not touch, varies by 4% between runs). With Adam a cycle costs
-less than K bare Adam steps where Adam's own update is the larger part
-(Adam updates once per cycle).
+K=4. K=4 is met on both models (1.054, 1.067). K=8 sits at the target
+within the noise: the MLP 1.052 and 0.986 (its accumulate-only step,
+memory-bound on 12 MB of accumulators the bare step does not touch,
+varies by 4% between runs), the 200-variable model 1.050 and 1.060, whose
+accumulate-only micro-step (1.03-1.05x a bare step) bounds the cycle. Of
+that micro-step's extra, about 0.1 ms is the cycle's `If`: each of its
+arguments costs about 0.25 us per run taken or not (400 resource handles
+here, which the wrapped optimizer's ops in the apply branch capture;
+measured alone, 149 us for an `If` of 2 arguments, 249 us of 402). Making
+the handles inside the branch instead measured 1-2% of a cycle, but
+TensorFlow offers no hook for it short of patching its function-graph
+capture; not done. With Adam a cycle costs less than K bare Adam steps
+where Adam's own update is the larger part (Adam updates once per cycle).
 
 Counted instead of timed (executed nodes per run, traced, 200-variable SGD
 model): the accumulate-only micro-step runs 2,819 nodes against 2,809 for a
@@ -47,6 +58,15 @@ its shape. What remains per variable and cycle: the wrapped update, the
 zeroing assign and the apply branch's argument for the variable (the
 wrapped optimizer's ops capture its handle); and on every micro-step the
 accumulator's own memory traffic.
+
+Not built: folding the cycle's last micro-batch into the read (the apply
+step reading `accumulator + gradient` instead of adding, then reading).
+It saves one in-place add per variable and cycle, but the add must then
+move into the cycle's tf.cond, whose other branch adds: every micro-step
+would pass each gradient into the cond (an argument of the function, 1-2
+us each on 2 cores; a Switch under control flow v1), K times per cycle to
+save one add, and the GPU path adds in each replica before its
+merge_call decides.
 
 A `grad_steps` schedule (the suite's last two columns: a callable of the
 updates applied that gathers K from a table, as a batch-size schedule does)
