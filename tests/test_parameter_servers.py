@@ -431,6 +431,9 @@ def test_weighted_micro_batches_on_a_worker(cluster, use_tpu):
     _check_weighted(updates, state, expected)
 
 
+TRAFFIC_CYCLES = 12  # traced cycles: the trace misses some steps' transfers
+
+
 @pytest.mark.parametrize('wrap', [False, True], ids=['bare', 'wrapper'])
 def test_accumulate_only_micro_steps_send_nothing_to_the_ps(cluster, wrap):
   worker_servers, _ = cluster
@@ -453,7 +456,7 @@ def test_accumulate_only_micro_steps_send_nothing_to_the_ps(cluster, wrap):
       session.run(tf.compat.v1.global_variables_initializer())
       session.run(tf.compat.v1.local_variables_initializer())
       received = []
-      for _ in range(4 * K):  # four cycles
+      for _ in range(TRAFFIC_CYCLES * K):
         metadata = tf.compat.v1.RunMetadata()
         session.run(train_op, options=tf.compat.v1.RunOptions(
             trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
@@ -462,13 +465,15 @@ def test_accumulate_only_micro_steps_send_nothing_to_the_ps(cluster, wrap):
       final = session.run(w)
   # Each update is w -= 0.1 * 2w; the wrapper's gradient is the same for the
   # K micro-steps of a cycle. Every update was applied, whatever the trace
-  # shows below.
-  updates = 4 if wrap else 4 * K
-  np.testing.assert_allclose(final, np.full(size, 0.8**updates), rtol=1e-6)
-  # The trace now and then misses a step's transfers (a bare step, or an
-  # apply step, showing 0 or 1 bytes; once, on a loaded machine, both apply
-  # steps of two cycles), so the gradient must show on some of the apply
-  # steps and on half of the bare steps, not all.
+  # shows below (one missing would be 25% off).
+  updates = TRAFFIC_CYCLES if wrap else TRAFFIC_CYCLES * K
+  np.testing.assert_allclose(final, np.full(size, 0.8**updates), rtol=1e-5)
+  # The trace misses some steps' transfers (0 or 1 bytes shown): on an idle
+  # machine 2-6 of 16 bare steps, on one running the suite's other
+  # processes up to 9 of 16 (and both apply steps of two cycles once). So
+  # the gradient must show on one of the TRAFFIC_CYCLES apply steps (all
+  # hidden, at odds of 0.6 each: 0.002) and on an eighth of the bare steps
+  # (6 of 48, where about 20 show under load).
   gradient_bytes = size * 4 * 0.75  # the trace rounds 256 KiB to 0.2MB
   sends_gradient = [r >= gradient_bytes for r in received]
   if wrap:
@@ -476,7 +481,7 @@ def test_accumulate_only_micro_steps_send_nothing_to_the_ps(cluster, wrap):
     assert max(accumulate_only) <= 16, received  # a predicate, a step's +1
     assert any(sends_gradient[K - 1::K]), received  # the apply steps
   else:
-    assert sum(sends_gradient) >= 2 * K, received
+    assert sum(sends_gradient) >= len(received) // 8, received
 
 
 @pytest.mark.parametrize('table', [False, True], ids=['dense', 'table'])
