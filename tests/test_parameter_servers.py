@@ -467,7 +467,7 @@ def test_accumulate_only_micro_steps_send_nothing_to_the_ps(cluster, wrap):
   # K micro-steps of a cycle. Every update was applied, whatever the trace
   # shows below (one missing would be 25% off).
   updates = TRAFFIC_CYCLES if wrap else TRAFFIC_CYCLES * K
-  np.testing.assert_allclose(final, np.full(size, 0.8**updates), rtol=1e-5)
+  np.testing.assert_allclose(final, np.full(size, 0.8**updates), rtol=1e-6)
   # The trace misses some steps' transfers (0 or 1 bytes shown): on an idle
   # machine 2-6 of 16 bare steps, on one running the suite's other
   # processes up to 9 of 16 (and both apply steps of two cycles once). So
