@@ -24,13 +24,16 @@ Results (`tools/benchmark --suites=step --grad_steps=8`, then
 
 A second K=8 run the same day: MLP SGD cycle 0.986 (accumulate-only
 1.003), Adam 0.987; 200 variables SGD 1.060 (accumulate-only 1.053), Adam
-0.645.
+0.645. A third, `--sessions=5`: MLP SGD 1.042 (1.020), Adam 0.955; 200
+variables SGD 1.051 (1.030), Adam 0.702 (bare steps 15.8 and 8.6 ms: the
+VM ran faster that hour).
 
 Targets, SGD: a whole cycle at most 1.05x K bare steps at K=8 and 1.08x at
 K=4. K=4 is met on both models (1.054, 1.067). K=8 sits at the target
-within the noise: the MLP 1.052 and 0.986 (its accumulate-only step,
-memory-bound on 12 MB of accumulators the bare step does not touch,
-varies by 4% between runs), the 200-variable model 1.050 and 1.060, whose
+within the noise: the MLP 1.052, 0.986 and 1.042 (its accumulate-only
+step, memory-bound on 12 MB of accumulators the bare step does not touch,
+varies by 4% between runs), the 200-variable model 1.050, 1.060 and 1.051,
+whose
 accumulate-only micro-step (1.03-1.05x a bare step) bounds the cycle. Of
 that micro-step's extra, about 0.1 ms is the cycle's `If`: each of its
 arguments costs about 0.25 us per run taken or not (400 resource handles
