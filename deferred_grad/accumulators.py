@@ -7,8 +7,10 @@ original's scale, so that its checkpoints restore mid-cycle); under a
 `Accumulators`, which the optimizer calls with values:
 
 * `add(gradients, divisor)`: the micro-step's op adding `gradient / divisor`
-  to each (a `Divisor`: grad_steps, or the cycle's length);
+  to each (a `numerics.Divisor`: grad_steps, or the cycle's length);
 * `mark()`: ops run on every micro-step, added or skipped;
+* `shared_rows(gradients, divisor, finite)` and `append_shared(rows)`: the
+  rows of tables whose list the replicas share, added where they meet;
 * `read(length, micro_step)`: the cycle's sums, this micro-step's included,
   for the apply step (`length`: the cycle's micro-steps);
 * `reset(after, read)`: empties them for the next cycle, after `after`.
@@ -89,11 +91,8 @@ def create_slot(opt, variable, dtype, owner=None, columns=None):
   dtype = dtype or variable.dtype.base_dtype
   slot_name, op_name = _slot_name(opt, variable, owner)
   if columns is not None:
-    # No static shape: the list grows and shrinks (also to a restored
-    # dense accumulator's shape), and graph optimizers must not fold it.
-    empty = tf.compat.v1.placeholder_with_default(
-        tf.zeros([0, columns], dtype), None)
-    slot = opt._get_or_make_slot(variable, empty, slot_name, op_name)
+    slot = opt._get_or_make_slot(variable, tables.empty_list(columns, dtype),
+                                 slot_name, op_name)
   elif variable.shape.is_fully_defined():
     slot = opt._get_or_make_slot_with_initializer(
         variable, kernels.run_time_zeros, variable.shape, dtype, slot_name,
@@ -108,33 +107,6 @@ def create_slot(opt, variable, dtype, owner=None, columns=None):
   checkpoints.add_to_state(slot)
   _OWNERS[tf.compat.v1.get_default_graph()][id(slot)] = owner
   return slot
-
-
-class Divisor(object):
-  """What a micro-step divides each gradient by, made once per dtype.
-
-  Args:
-    value: `grad_steps` (an int), or the cycle's length under a schedule
-      (an int64 scalar, `cycle.Schedule.divisor`).
-  """
-
-  def __init__(self, value):
-    self.value = value
-    self._reciprocals = {}
-
-  def reciprocal(self, dtype):
-    """1 / value as a `dtype` scalar: one op for all variables of a dtype."""
-    if isinstance(self.value, int):
-      return tf.constant(1.0 / self.value, dtype)
-    if dtype not in self._reciprocals:
-      self._reciprocals[dtype] = tf.math.reciprocal(tf.cast(self.value, dtype))
-    return self._reciprocals[dtype]
-
-  def divide(self, tensor):
-    """`tensor / value` (divided by an int, as the original did)."""
-    if isinstance(self.value, int):
-      return tensor / self.value
-    return tensor * self.reciprocal(tensor.dtype.base_dtype)
 
 
 class DenseAccumulator(object):
@@ -251,6 +223,25 @@ class Accumulators(object):
     """Ops to run on every micro-step, added or skipped."""
     return [accumulator.mark() for accumulator in self._accumulators]
 
+  def shared_rows(self, gradients, divisor, finite):
+    """{index: rows} for the lists the replicas share (`tables`), which
+    `add` left out: none where `finite` (None: always) is False."""
+    shared = {}
+    for index, (accumulator, gradient) in enumerate(
+        zip(self._accumulators, gradients)):
+      if getattr(accumulator, 'shared', False):
+        rows = accumulator.rows(gradient, divisor)
+        if finite is not None:  # a skipped micro-step's: no rows
+          rows = rows[:tf.shape(rows)[0] * tf.cast(finite, tf.int32)]
+        shared[index] = rows
+    return shared
+
+  def append_shared(self, rows_of_replicas):
+    """An op appending each replica's `shared_rows`, in replica order."""
+    return tf.group(*[self._accumulators[index].append(
+        [rows[index] for rows in rows_of_replicas])
+                      for index in sorted(rows_of_replicas[0])])
+
   def read(self, length, micro_step):
     """A `Read`: the cycle's sums (its `length` micro-steps), in order.
 
@@ -307,6 +298,12 @@ class PassThrough(object):
   def mark(self):
     return []
 
+  def shared_rows(self, *unused):
+    return {}
+
+  def append_shared(self, unused):
+    return tf.no_op()
+
   def read(self, length, micro_step):
     del length
     return Read([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
@@ -318,7 +315,7 @@ class PassThrough(object):
 
 
 def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
-            local, owner, replicas):
+            local, owner, replica):
   """Creates `variable`'s accumulator of the kind its gradient needs.
 
   Args:
@@ -332,29 +329,32 @@ def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
     local: None, or a `placement.WorkerLocal` (variables on parameter
       servers): the accumulator is then the worker's own, not a slot.
     owner: the train op's state (see `create_slot`).
-    replicas: the replicas in sync: with one, a table's accumulator is a
+    replica: None, or this replica's index where several share a table's
       `tables.RowListAccumulator`.
 
   Returns:
     A `DenseAccumulator`, `ShardedAccumulator`, or one of `tables`'
-    `RowListAccumulator`, `SparseAccumulator`, `RowQueueAccumulator`.
+    `RowListAccumulator` or `SparseAccumulator`.
   """
   arguments.check_accumulator_width(dtype, variable)
   dtype = dtype or variable.dtype.base_dtype
   table = sparse and isinstance(gradient, tf.IndexedSlices)
+  name = variable.op.name + '/' + SLOT_OP_NAME
+  columns = tables.list_columns(variable, dtype) if table else None
   if local is not None:  # the worker's own, not a slot (see `placement`)
-    if table:
-      return tables.RowQueueAccumulator(variable, dtype, local.device)
+    if columns is not None:
+      return tables.RowListAccumulator(local.variable(
+          name, lambda: tables.empty_list(columns, dtype), dtype,
+          list_of_rows=True), variable, dtype)
     shape = variable.shape
     return DenseAccumulator(local.variable(
-        variable.op.name + '/' + SLOT_OP_NAME,
-        lambda: kernels.run_time_zeros(shape, dtype), dtype))
-  if table and replicas == 1 and not in_xla:
-    id_columns = tables.id_columns(variable, dtype)
-    if id_columns is not None:
-      slot = create_slot(opt, variable, dtype, owner,
-                         columns=id_columns + tables.row_width(variable))
-      return tables.RowListAccumulator(slot, variable, dtype)
+        name, lambda: kernels.run_time_zeros(shape, dtype), dtype))
+  if columns is not None and not (in_xla or distribute.in_multi_worker_mode(
+      tf.distribute.get_strategy())):
+    # Several replicas share one list, where the first one's table is.
+    with distribute.one_variable(compat.host_device(variable.device)):
+      slot = create_slot(opt, variable, dtype, owner, columns=columns)
+    return tables.RowListAccumulator(slot, variable, dtype, replica)
   slot = create_slot(opt, variable, dtype, owner)
   if table:
     return tables.SparseAccumulator(slot, num_partitions, in_xla)
@@ -371,8 +371,11 @@ def create(opt, grads_and_vars, sparse, dtype=None, num_partitions=None,
   `distribute.summed_on_save`). Call it under `tf.init_scope()`; the
   arguments are `_create`'s.
   """
-  replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  replica = None  # this replica's index, where there are several
+  if tf.distribute.get_strategy().num_replicas_in_sync > 1:
+    replica = int(tf.get_static_value(
+        tf.distribute.get_replica_context().replica_id_in_sync_group))
   with distribute.summed_on_save():
     return Accumulators([
         _create(opt, v, g, sparse, dtype, num_partitions, in_xla, local,
-                owner, replicas) for g, v in grads_and_vars])
+                owner, replica) for g, v in grads_and_vars])

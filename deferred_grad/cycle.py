@@ -321,14 +321,18 @@ class ReplicaPart(object):
     accumulators: their `accumulators.Accumulators` (or `PassThrough`).
     gradients: the micro-step's weighed gradients.
     increments: the micro-step's counts (`numerics.increments`).
+    shared_rows: the micro-step's rows of tables whose list the replicas
+      share (`accumulators.Accumulators.shared_rows`), by index.
   """
 
-  def __init__(self, state, var_list, accumulators, gradients, increments):
+  def __init__(self, state, var_list, accumulators, gradients, increments,
+               shared_rows):
     self.state = state
     self.var_list = list(var_list)
     self.accumulators = accumulators
     self.gradients = gradients
     self.increments = increments
+    self.shared_rows = shared_rows
 
   def counts_of_cycle(self):
     """This replica's counts of the cycle, this micro-step's included."""

@@ -148,6 +148,38 @@ def summed_on_save():
     yield
 
 
+@contextlib.contextmanager
+def one_variable(device):
+  """Variables created inside are one plain variable on `device`.
+
+  Not one per replica: for state that every replica's part meets in (a
+  table's list of rows, `tables.RowListAccumulator`), written once per run
+  in the cross-replica context and saved as it is. Outside a multi-replica
+  strategy this changes nothing.
+
+  Args:
+    device: where the variable lives.
+
+  Yields:
+    Nothing.
+  """
+  if tf.distribute.get_strategy().num_replicas_in_sync == 1:
+    yield
+    return
+  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
+  from tensorflow.python.ops import ref_variable
+  # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
+
+  def plain(next_creator, **kwargs):
+    del next_creator  # the strategy's creator would make one per replica
+    kwargs.pop('distribute_strategy', None)
+    with tf.device(device):
+      return ref_variable.default_variable_creator(None, **kwargs)
+
+  with tf.compat.v1.variable_creator_scope(plain):
+    yield
+
+
 def first_replica(distribution, value):
   """`value`, or its first replica's where `distribution` is a strategy.
 

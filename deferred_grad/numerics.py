@@ -1,7 +1,8 @@
 """What a cycle applies: which micro-batches count, and by what factor.
 
-A micro-step is checked (`all_finite`, with a `nonfinite_policy`) and
-weighed (`weigh`, with a `micro_batch_weight`), and adds `increments` to
+A micro-step is checked (`all_finite`, with a `nonfinite_policy`),
+weighed (`weigh`, with a `micro_batch_weight`) and divided (`Divisor`: by
+`grad_steps`, the original's scale), and adds `increments` to
 its replica's counts: one small vector per replica, as data. The apply
 step sums the counts over replicas once, and two pure functions of that
 sum decide, as optax's `skip_not_finite`: `should_apply` (apply now, or
@@ -208,3 +209,30 @@ def cast_like(gradients, var_list):
   """Each gradient cast to its variable's dtype (from the accumulator's)."""
   return [map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
           for g, v in zip(gradients, var_list)]
+
+
+class Divisor(object):
+  """What a micro-step divides each gradient by, made once per dtype.
+
+  Args:
+    value: `grad_steps` (an int), or the cycle's length under a schedule
+      (an int64 scalar, `cycle.Schedule.divisor`).
+  """
+
+  def __init__(self, value):
+    self.value = value
+    self._reciprocals = {}
+
+  def reciprocal(self, dtype):
+    """1 / value as a `dtype` scalar: one op for all variables of a dtype."""
+    if isinstance(self.value, int):
+      return tf.constant(1.0 / self.value, dtype)
+    if dtype not in self._reciprocals:
+      self._reciprocals[dtype] = tf.math.reciprocal(tf.cast(self.value, dtype))
+    return self._reciprocals[dtype]
+
+  def divide(self, tensor):
+    """`tensor / value` (divided by an int, as the original did)."""
+    if isinstance(self.value, int):
+      return tensor / self.value
+    return tensor * self.reciprocal(tensor.dtype.base_dtype)

@@ -269,7 +269,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       finite = numerics.all_finite(checked)
     gradients = numerics.weigh(gradients, weight)
     increments = numerics.increments(policy, finite, weight)
-    divisor = accumulators_lib.Divisor(state.divisor())
+    divisor = numerics.Divisor(state.divisor())
     add = lambda: accumulators.add(gradients, divisor)
     with tf.control_dependencies(checks):
       added = add() if finite is None else lazy_cond.cond(finite, add,
@@ -278,8 +278,10 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       counted = state.add_counts(increments)
     # Every micro-step is marked, skipped or not (see SparseAccumulator).
     op = tf.group(added, *(counted + accumulators.mark()))
+    # Rows of tables the replicas share a list of: added where they meet.
+    shared = accumulators.shared_rows(gradients, divisor, finite)
     return op, cycle.ReplicaPart(state, var_list, accumulators, gradients,
-                                 increments)
+                                 increments, shared)
 
   def _end_micro_step_across_replicas(self, distribution, micro_step, part,
                                       wrapped_vars_scope, scope):
@@ -301,7 +303,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     `ReplicaPart` (PerReplica under a strategy). Returns the micro-step's
     op, which ends by advancing the cycle.
     """
-    state = distribute.first_replica(distribution, part).state
+    first = distribute.first_replica(distribution, part)
+    state = first.state
+    if distribution is not None:  # the replicas' rows of shared tables
+      with tf.control_dependencies(micro_steps):
+        micro_steps = [first.accumulators.append_shared([
+            p.shared_rows for p in
+            distribution.experimental_local_results(part)])]
     # Under a multi-worker strategy, a session begun mid-cycle drops it.
     restart = distribute.mid_cycle_restart()
     position = state.read_position(micro_steps, restart and restart.check)

@@ -23,8 +23,8 @@ most K - 1 micro-batches per worker), as with `SyncReplicasOptimizer`.
 `worker_local(var_list)` detects this placement and returns a `WorkerLocal`,
 which creates the state there as local variables: the counters, and a dense
 accumulator as a worker-local variable. A table's accumulator there is a
-`tables.RowQueueAccumulator` on the worker, which holds only the rows the
-cycle looked up instead of a table-sized copy per worker.
+`tables.RowListAccumulator` on the worker's CPU, which holds only the rows
+the cycle looked up instead of a table-sized copy per worker.
 """
 
 from __future__ import absolute_import
@@ -109,18 +109,22 @@ class WorkerLocal(object):
   def __init__(self, device):
     self.device = device
 
-  def variable(self, name, initial_value, dtype):
+  def variable(self, name, initial_value, dtype, list_of_rows=False):
     """A local, non-trainable variable on the worker.
 
     Args:
       name: its name (uniquified by the graph).
       initial_value: a callable returning its initial value.
       dtype: its dtype.
+      list_of_rows: a `tables.RowListAccumulator`'s list: of no static
+        shape, on the worker's CPU also under a GPU worker device.
 
     Returns:
       The variable.
     """
-    with tf.compat.v1.name_scope(None), tf.device(self.device):
+    device = compat.host_device(self.device) if list_of_rows else self.device
+    with tf.compat.v1.name_scope(None), tf.device(device):
       return tf.compat.v1.Variable(
           initial_value, dtype=dtype, name=name, trainable=False,
+          validate_shape=not list_of_rows,
           collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])

@@ -1,20 +1,21 @@
 """Accumulators for tables: sparse gradients (`tf.IndexedSlices`) by row.
 
 A table's gradient touches the rows a micro-batch looked up, and so does
-its accumulator: no micro-step or apply step reads the whole table, and in
-one process and on parameter-server workers no accumulator is as large as
-the table either:
+its accumulator: no micro-step or apply step reads the whole table, and
+outside XLA and multi-worker strategies no accumulator is as large as the
+table either:
 
-* `RowListAccumulator` (one replica): the slot `<table>/GradientAccumulator`
-  holds the cycle's rows themselves, each beside its id, so that memory
-  follows the rows looked up and checkpoints hold the partial sums.
-* `SparseAccumulator` (several replicas in one job, and inside XLA): a
-  table-sized slot, as the original's, saved as the replicas' sum; a queue
-  on the host records which rows were touched.
-* `RowQueueAccumulator` (parameter-server workers): the rows queue on the
-  worker, and the apply step adds up those of equal ids.
+* `RowListAccumulator` (one process, `MirroredStrategy`, parameter-server
+  workers): the cycle's rows themselves, each beside its id, so that memory
+  follows the rows looked up. In one process and under `MirroredStrategy`
+  it is the slot `<table>/GradientAccumulator`, in checkpoints with the
+  partial sums; on a parameter-server worker a local variable of the
+  worker (see `placement`).
+* `SparseAccumulator` (inside XLA, and `MultiWorkerMirroredStrategy`): a
+  table-sized slot, as the original's; a queue on the host records which
+  rows were touched.
 
-All have the interface of `accumulators`: `add`, `mark`, `read`, `reset`.
+Both have the interface of `accumulators`: `add`, `mark`, `read`, `reset`.
 """
 
 from __future__ import absolute_import
@@ -50,26 +51,38 @@ def _sum_by_id(ids, rows):
                                               tf.size(unique))
 
 
-def id_columns(variable, dtype):
-  """Columns of `dtype` that hold a row id in a `RowListAccumulator`, or None.
+def _id_columns(dtype):
+  """Columns of `dtype` that hold a row id (8 bytes) in a list of rows."""
+  return 8 // dtype.size
+
+
+def list_columns(variable, dtype):
+  """A `RowListAccumulator`'s columns for `variable` in `dtype`, or None.
 
   None where that kind cannot hold `variable`'s rows: a shape unknown at
   graph build, or a dtype wider than an id (8 bytes).
   """
   if not variable.shape.is_fully_defined() or dtype.size > 8:
     return None
-  return 8 // dtype.size
+  return _id_columns(dtype) + variable.shape[1:].num_elements()
+
+
+def empty_list(columns, dtype):
+  """A list of no rows, of no static shape: the list grows and shrinks
+  (also to a restored dense accumulator's shape), and graph optimizers must
+  not fold it."""
+  return tf.compat.v1.placeholder_with_default(tf.zeros([0, columns], dtype),
+                                               None)
 
 
 def check_dense(variable):
   """An op that makes sure `variable`, a dense table accumulator, is dense.
 
   A restore takes any shape into a resource variable (that of a ref
-  variable fails on another shape), and a checkpoint of
-  one process holds a `RowListAccumulator`'s list of rows there: an empty
-  one (saved at a cycle's end) becomes zeros; a list of rows fails loudly
-  (several replicas would each get a share of it, ids and all, and a dense
-  kernel cannot tell).
+  variable fails on another shape), and a checkpoint written with
+  `sparse_as_dense=False` holds a `RowListAccumulator`'s list of rows
+  there: an empty one (saved at a cycle's end) becomes zeros; a list of
+  rows fails loudly (a dense kernel would add ids and all).
 
   Returns:
     The op, to run before the accumulator is used.
@@ -84,10 +97,10 @@ def check_dense(variable):
     empty = tf.debugging.assert_equal(
         tf.reduce_prod(shape), tf.constant(0, tf.int64), message=(
             '%s holds a list of the rows looked up, from a checkpoint written '
-            'mid-cycle with one replica and sparse_as_dense=False; with '
-            'several replicas or sparse_as_dense=True a table is accumulated '
-            'densely. Resume that checkpoint as it was written, or from one '
-            'written at a cycle\'s end.' % name))
+            'mid-cycle with sparse_as_dense=False; with sparse_as_dense=True '
+            '(and inside XLA, and under MultiWorkerMirroredStrategy) a table '
+            'is accumulated densely. Resume that checkpoint as it was '
+            'written, or from one written at a cycle\'s end.' % name))
     with tf.control_dependencies([empty]):
       # Not `assign`, which checks the shape the restore changed.
       return tf.raw_ops.AssignVariableOp(
@@ -98,17 +111,12 @@ def check_dense(variable):
   return lazy_cond.cond(is_dense, tf.no_op, from_list)
 
 
-def row_width(variable):
-  """Elements in one row of `variable`."""
-  return variable.shape[1:].num_elements()
-
-
 class RowListAccumulator(object):
   """A table's accumulator in memory proportional to the rows looked up.
 
   The slot `<table>/GradientAccumulator` is a list of rows of shape
   [rows looked up so far, id columns + row width], each row an int64 id,
-  its 8 bytes bitcast into the first columns (`id_columns`), then that
+  its 8 bytes bitcast into the first columns (`_id_columns`), then that
   row's gradient: ids and rows stay in one variable, under the original's
   name, so that every Saver (also one given
   `tf.compat.v1.global_variables()`) saves the partial sums. Each
@@ -127,20 +135,34 @@ class RowListAccumulator(object):
   rows (a row touched before the save and summing to exactly zero is then
   not handed on, once).
 
+  Under a multi-replica strategy in one process (`MirroredStrategy`) the
+  replicas share one list, a plain variable on the first replica's host
+  (`distribute.one_variable`): each replica's micro-step only packs its
+  rows (`rows`), and where the replicas meet, once per run, they are
+  appended in replica order (`append`). The first replica reads the cycle's
+  rows and hands them on, the others an empty `IndexedSlices`, and the
+  wrapped optimizer's all-reduce adds them up: the sum over replicas, as a
+  checkpoint holds it (the same as one process's; either restores into the
+  other, also mid-cycle).
+
   Args:
     slot: the list variable, of unknown static shape (`create_slot`).
     variable: the table (or one partition of it).
     dtype: the accumulator's dtype.
+    replica: None with one replica; else this replica's index, among
+      replicas that share the list.
   """
 
   in_place = False  # see `accumulators.Accumulators`
 
-  def __init__(self, slot, variable, dtype):
+  def __init__(self, slot, variable, dtype, replica=None):
     self.slot = slot
+    self.shared = replica is not None
+    self._first = not replica  # reads and resets the list
     self._dtype = dtype
     self._dense_shape = variable.shape
-    self._id_columns = id_columns(variable, dtype)
-    self._columns = self._id_columns + row_width(variable)
+    self._id_columns = _id_columns(dtype)
+    self._columns = list_columns(variable, dtype)
 
   def _pack(self, ids, rows):
     ids = tf.reshape(tf.bitcast(ids, self._dtype), [-1, self._id_columns])
@@ -190,11 +212,21 @@ class RowListAccumulator(object):
     ids = tf.bitcast(ids if self._id_columns > 1 else ids[:, 0], tf.int64)
     return ids, listed[:, self._id_columns:]
 
-  def add(self, gradient, divisor):
-    """Appends the rows looked up (/ `divisor`), each beside its id."""
+  def rows(self, gradient, divisor):
+    """The rows looked up (/ `divisor`), each beside its id: a list's part."""
     rows = divisor.divide(tf.cast(gradient.values, self._dtype))
-    return self._assign(tf.concat(
-        [self._rows(), self._pack(_ids(gradient), rows)], 0))
+    return self._pack(_ids(gradient), rows)
+
+  def add(self, gradient, divisor):
+    """Appends the rows looked up (/ `divisor`); shared: see `append`."""
+    if self.shared:
+      return tf.no_op()
+    return self.append([self.rows(gradient, divisor)])
+
+  def append(self, parts):
+    """Appends `parts` (from `rows`, in replica order) to the list."""
+    with tf.device(self.slot.device):
+      return self._assign(tf.concat([self._rows()] + list(parts), 0))
 
   def mark(self):
     return tf.no_op()
@@ -202,7 +234,10 @@ class RowListAccumulator(object):
   def read(self, length):
     """The cycle's rows, those of equal ids added up, as IndexedSlices."""
     del length  # the list holds the cycle's rows
-    ids, rows = self._unpack(self._summed(self._rows()))
+    if self._first:
+      ids, rows = self._unpack(self._summed(self._rows()))
+    else:  # the first replica hands on the shared list's rows
+      ids, rows = self._unpack(tf.zeros([0, self._columns], self._dtype))
     rows = tf.reshape(rows, [-1] + self._dense_shape[1:].as_list())
     return tf.IndexedSlices(rows, ids,
                             tf.constant(self._dense_shape.as_list(), tf.int64))
@@ -211,7 +246,9 @@ class RowListAccumulator(object):
     """Empties the list once `after` has run; returns the op."""
     del gradient, shared_zeros
     with tf.control_dependencies([after]):
-      return self._assign(tf.zeros([0, self._columns], self._dtype))
+      if not self._first:
+        return tf.no_op()
+      return self._assign(empty_list(self._columns, self._dtype))
 
 
 class SparseAccumulator(object):
@@ -337,62 +374,3 @@ def _nonzero_rows(value):
   if value.shape.rank > 1:
     nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
   return tf.reshape(tf.where(nonzero), [-1])
-
-
-class RowQueueAccumulator(object):
-  """A table's accumulator on a worker, for tables on parameter servers.
-
-  A worker-local copy of a table as large as the table (on every worker) is
-  what the dense kind and `SparseAccumulator` would need; this one holds
-  only the rows the cycle looked up: each micro-step enqueues its ids and
-  rows (divided by the cycle's length) in a queue on the worker, and the
-  apply step takes them all, adds up the rows of equal ids and hands on an
-  `IndexedSlices` over every id touched. Memory and time O(rows looked up
-  per cycle); nothing goes to the parameter servers before the apply step.
-  The queue is not saved: a restarted worker starts a new cycle (see
-  `placement`).
-
-  Args:
-    variable: the table (or one partition of it).
-    dtype: the accumulator's dtype.
-    device: the worker's device.
-  """
-
-  in_place = False  # see `accumulators.Accumulators`
-
-  def __init__(self, variable, dtype, device):
-    self._dtype = dtype
-    self._dense_shape = variable.shape
-    # On the worker's CPU, also under a GPU worker device: queues have no
-    # GPU kernels.
-    self._queue = _host_queue(variable, '_accumulated_rows',
-                              [tf.int64, dtype], [[], variable.shape[1:]],
-                              compat.host_device(device))
-
-  def mark(self):
-    return tf.no_op()
-
-  def add(self, gradient, divisor):
-    """Enqueues the micro-step's rows / `divisor`, with their ids."""
-    if not isinstance(gradient, tf.IndexedSlices):
-      raise ValueError('a table on a parameter server got a dense gradient '
-                       '(%s); expected an IndexedSlices.' % (gradient,))
-    return self._queue.enqueue_many([
-        _ids(gradient),
-        divisor.divide(tf.cast(gradient.values, self._dtype))])
-
-  def read(self, length):
-    """The cycle's rows, those of equal ids added up, as IndexedSlices."""
-    del length  # the queue holds the cycle's rows
-    ids, rows = self._queue.dequeue_many(self._queue.size())
-    unique, summed = _sum_by_id(ids, rows)
-    return tf.IndexedSlices(summed, unique,
-                            tf.constant(self._dense_shape.as_list(), tf.int64))
-
-  def reset(self, after, gradient, shared_zeros=None):
-    """The read emptied the queue: makes sure it ran, also in a cycle
-    that applies nothing (a `nonfinite_policy` skipping it)."""
-    del shared_zeros
-    with tf.control_dependencies([after]):
-      return tf.group(after, gradient.indices)
-

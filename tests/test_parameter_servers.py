@@ -339,10 +339,17 @@ def test_partitioned_table_without_a_table_copy_per_worker(cluster, use_tpu):
     updates, state, local_variables, recovered = _train(
         cluster, 2, 2, use_tpu, monitored=True, table=True)
     _check(updates, state, 2, table=True, recovered=recovered)
-  # The table's rows wait in a queue on the worker: no table-sized variable.
-  for variables in local_variables.values():
-    assert all(v.shape.num_elements() <= _size(2) for v in variables), (
-        [(v.name, v.shape) for v in variables])
+  # The table's rows wait in a list on the worker's CPU (one per partition,
+  # of no static shape): no table-sized variable.
+  for task, variables in local_variables.items():
+    lists = [v for v in variables if v.shape.rank is None]
+    assert [v.op.name.split('/')[-1] for v in lists] == (
+        ['GradientAccumulator'] * 2), [(v.name, v.shape) for v in variables]
+    for listed in lists:
+      assert listed.device.endswith('/job:worker/task:%d/device:CPU:0' % task)
+    assert all(v.shape.num_elements() <= _size(2) for v in variables
+               if v.shape.rank is not None), (
+                   [(v.name, v.shape) for v in variables])
 
 
 def test_each_worker_follows_its_own_schedule(cluster, use_tpu):

@@ -95,21 +95,41 @@ def test_accumulator_holds_only_the_rows_looked_up(use_tpu):
     nodes.extend(function.node_def)
   # One dense add kernel: the projection's (the table has none).
   assert len([n for n in nodes if n.op in dense_add_types]) == 1
+  _check_list_of_rows(trainer)
 
-  table = trainer.variables['table']
-  accumulator = trainer.optimizer.get_slot(table, 'grad_accum')
-  with trainer.graph.as_default():
-    gradient = tf.convert_to_tensor(tf.compat.v1.gradients(trainer.loss,
-                                                           [table])[0])
-  x, y = make_embedding_data(1, GRAD_STEPS * models.MICRO_BATCH)
+
+def test_replicas_share_one_list_of_the_rows_looked_up():
+  """Under MirroredStrategy the table's accumulator is one list, not a
+  table-sized variable per replica: each micro-step appends every
+  replica's rows, in replica order (the micro-batch's order here)."""
+  trainer = MirroredTrainer(models.OPTIMIZERS['Adagrad'], GRAD_STEPS,
+                            model='embedding')
+  accumulator = trainer.optimizer.get_slot(trainer.variables['table'],
+                                           'grad_accum')
+  assert not hasattr(accumulator, 'values')  # one variable, not per replica
+  _check_list_of_rows(trainer)
+
+
+def _check_list_of_rows(trainer):
+  """Runs a cycle: the list holds the rows looked up and their partial sums
+  (against the bare model's gradient); the apply step empties it."""
+  accumulator = trainer.optimizer.get_slot(trainer.variables['table'],
+                                           'grad_accum')
+  bare = Trainer(models.OPTIMIZERS['Adagrad'], model='embedding')
+  with bare.graph.as_default():
+    gradient = tf.convert_to_tensor(tf.compat.v1.gradients(
+        bare.loss, [bare.variables['table']])[0])
+    bare_session = bare.session()
+  x, y = make_embedding_data(1, GRAD_STEPS * training.REPLICAS *
+                             models.MICRO_BATCH)
   micro_batches = [(x[0][rows], y[0][rows]) for rows in (
-      slice(k * models.MICRO_BATCH, (k + 1) * models.MICRO_BATCH)
+      slice(k * len(x[0]) // GRAD_STEPS, (k + 1) * len(x[0]) // GRAD_STEPS)
       for k in range(GRAD_STEPS))]
   expected = np.zeros([models.TABLE_ROWS, models.EMBEDDING_DIM], np.float32)
   with trainer.session() as session:
     for step, batch in enumerate(micro_batches[:-1]):
-      feed = dict(zip(trainer.inputs, batch))
-      expected += session.run(gradient, feed) / GRAD_STEPS
+      expected += bare_session.run(
+          gradient, dict(zip(bare.inputs, batch))) / GRAD_STEPS
       trainer.micro_step(session, *batch)
       listed = session.run(accumulator)
       ids, _ = training.listed_rows(listed, [models.EMBEDDING_DIM])
@@ -121,6 +141,7 @@ def test_accumulator_holds_only_the_rows_looked_up(use_tpu):
           rtol=1e-6, atol=1e-7)
     trainer.micro_step(session, *micro_batches[-1])
     assert session.run(accumulator).shape == (0, 2 + models.EMBEDDING_DIM)
+  bare_session.close()
 
 
 def test_sparse_as_dense_is_the_original_dense_handoff(use_tpu):
@@ -385,35 +406,28 @@ def test_a_mid_cycle_checkpoint_restores_without_the_wrapper(tmp_path):
                          models._TABLE)  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize('restored', ['sparse_as_dense', 'mirrored'])
 @pytest.mark.parametrize('steps', [GRAD_STEPS, GRAD_STEPS + 1],
                          ids=['cycle_end', 'mid_cycle'])
 def test_a_list_of_rows_restores_into_a_dense_accumulator_at_a_cycle_end(
-    restored, steps, tmp_path):
-  """One process saves a table's rows looked up; a dense accumulator
-  (sparse_as_dense=True, several replicas) takes an empty list (a cycle's
-  end) and trains on like the large batch, and refuses a list of rows."""
+    steps, tmp_path):
+  """A table's list of rows restores into a dense accumulator
+  (sparse_as_dense=True): an empty list (a cycle's end) trains on like the
+  large batch, a list of rows is refused."""
   make_optimizer = models.OPTIMIZERS['Momentum']
   path = str(tmp_path / 'model')
-  batches = _micro_batches(CYCLES * GRAD_STEPS,
-                           training.REPLICAS * models.MICRO_BATCH)
+  batches = _micro_batches(CYCLES * GRAD_STEPS, models.MICRO_BATCH)
   _save_after(Trainer(make_optimizer, GRAD_STEPS, model='embedding'),
               batches[:steps], path)
-  if restored == 'mirrored':
-    second = MirroredTrainer(make_optimizer, GRAD_STEPS, model='embedding')
-  else:
-    second = Trainer(make_optimizer, GRAD_STEPS, model='embedding',
-                     sparse_as_dense=True)
-  # Ref variables check the shape on restore; resource variables (also a
-  # strategy's) restore into any shape, and the micro-step checks it.
-  ref_variables = behavior.BEHAVIOR == 'v1' and restored != 'mirrored'
+  second = Trainer(make_optimizer, GRAD_STEPS, model='embedding',
+                   sparse_as_dense=True)
   with second.graph.as_default(), tf.compat.v1.Session() as session:
     saver = tf.compat.v1.train.Saver()
-    if ref_variables:
+    if behavior.BEHAVIOR == 'v1':  # a ref variable checks the shape
       with pytest.raises(tf.errors.InvalidArgumentError,
                          match='Assign requires shapes'):
         saver.restore(session, path)
       return
+    # A resource variable restores into any shape; the micro-step checks.
     saver.restore(session, path)
     if steps % GRAD_STEPS:
       with pytest.raises(tf.errors.InvalidArgumentError,
@@ -424,12 +438,42 @@ def test_a_list_of_rows_restores_into_a_dense_accumulator_at_a_cycle_end(
     for batch in batches[steps:]:
       second.micro_step(session, *batch)
     resumed = session.run(second.variables)
+  # The large batch's dense gradient.
+  expected = _large_batch(models.with_gradient_transform(
+      make_optimizer,
+      lambda pairs: [(tf.convert_to_tensor(g), v) for g, v in pairs]),
+                          batches)
+  assert_same_training([resumed], [expected])
+
+
+@pytest.mark.parametrize('saved, restored', [('one_process', 'mirrored'),
+                                             ('mirrored', 'one_process')])
+def test_a_mid_cycle_list_restores_across_replica_counts(saved, restored,
+                                                         tmp_path):
+  """One process and MirroredStrategy save a table's partial sums alike:
+  a checkpoint of either, written mid-cycle, resumes in the other like the
+  large batch."""
+  make_optimizer = models.OPTIMIZERS['Adagrad']
+  batches = _micro_batches(CYCLES * GRAD_STEPS,
+                           training.REPLICAS * models.MICRO_BATCH)
   expected = _large_batch(make_optimizer, batches)
-  if restored == 'sparse_as_dense':  # the large batch's dense gradient
-    expected = _large_batch(models.with_gradient_transform(
-        make_optimizer,
-        lambda pairs: [(tf.convert_to_tensor(g), v) for g, v in pairs]),
-                            batches)
+
+  def trainer(topology):
+    if topology == 'mirrored':
+      return MirroredTrainer(make_optimizer, GRAD_STEPS, model='embedding')
+    return Trainer(make_optimizer, GRAD_STEPS, model='embedding')
+
+  stop = GRAD_STEPS + 2
+  path = str(tmp_path / 'model')
+  _save_after(trainer(saved), batches[:stop], path)
+  listed = tf.train.load_variable(path, 'table/GradientAccumulator')
+  assert listed.shape == (2 * batches[0][0].size, 2 + models.EMBEDDING_DIM)
+  second = trainer(restored)
+  with second.graph.as_default(), tf.compat.v1.Session() as session:
+    tf.compat.v1.train.Saver().restore(session, path)
+    for batch in batches[stop:]:
+      second.micro_step(session, *batch)
+    resumed = session.run(second.variables)
   assert_same_training([resumed], [expected])
 
 

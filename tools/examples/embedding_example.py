@@ -5,13 +5,14 @@ gradients from `tf.nn.embedding_lookup`) with Adagrad, as micro-batches
 through the wrapper and as the large batch with the bare optimizer, and
 prints the largest difference between the two tables (round-off).
 
-In one process the table's accumulator (`<table>/GradientAccumulator`) is a
-list of the rows the cycle looked up, each beside its id: each micro-step
-appends its rows (one per looked-up id), and the apply step adds up those of
-equal ids, hands them on and empties the list; a list longer than the table
-is added up by id first, so that it never holds more than the table's rows
-and one micro-step's. No step reads the whole table, and the accumulator's
-memory follows the rows looked up (`tools/benchmark --suites=sparse`, README
+In one process, under MirroredStrategy and on parameter-server workers the
+table's accumulator (`<table>/GradientAccumulator`) is a list of the rows the
+cycle looked up, each beside its id: each micro-step appends its rows (one
+per looked-up id), and the apply step adds up those of equal ids, hands them
+on and empties the list; a list longer than the table is added up by id
+first, so that it never holds more than the table's rows and one
+micro-step's. No step reads the whole table, and the accumulator's memory
+follows the rows looked up (`tools/benchmark --suites=sparse`, README
 "Performance"). The wrapped optimizer receives a `tf.IndexedSlices` over
 every row the cycle touched, also a row whose gradient summed to exactly
 zero (a masked padding id), and applies its own sparse update as it would to
@@ -23,14 +24,17 @@ momentum (tested for each, every slot compared).
   Saver saves the partial sums (ids in its first columns, bitcast) and a
   job stopped mid-cycle resumes exactly. The original's checkpoints, which
   hold a table-sized accumulator there, restore too: the first micro-step
-  turns it into the list of its non-zero rows. A checkpoint of one process
-  does not restore under MirroredStrategy, whose accumulator is dense (the
-  restore fails, naming `<table>/GradientAccumulator`).
-- Under MirroredStrategy each replica's accumulator is still one more
-  table-sized variable (10M x 64 float32: 2.5 GB), saved as the replicas'
-  sum; a queue on the host records each replica's rows, so that the apply
-  step touches those only. On parameter-server workers no table-sized copy
-  is made either (see parameter_server_example.py).
+  turns it into the list of its non-zero rows.
+- Under MirroredStrategy the replicas share one list, a plain variable on
+  the first replica's host: where the replicas meet on each micro-step,
+  every replica's rows are appended in replica order, and the first replica
+  hands the cycle's rows on to the wrapped optimizer's all-reduce. A
+  checkpoint of one process restores under MirroredStrategy, and back, also
+  mid-cycle. On parameter-server workers the list is a local variable of
+  the worker (see parameter_server_example.py). Under
+  MultiWorkerMirroredStrategy each replica's accumulator is still a
+  table-sized variable; a queue on the host records its rows, so that the
+  apply step touches those only.
 - `sparse_as_dense=True` restores the original's behaviour: sparse gradients
   densified into the accumulator every micro-step and handed on dense. With
   `apply_crs_to_grad=True` sparse gradients are always handled densely (a

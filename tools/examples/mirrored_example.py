@@ -16,7 +16,9 @@ The recipe, as below:
   the mean over replicas * grad_steps micro-batches.
 - Each replica keeps its own part of each accumulator (a sync-on-read
   variable) and adds its micro-batches there; the replicas talk only on
-  apply steps: K micro-steps, one all-reduce.
+  apply steps: K micro-steps, one all-reduce. An embedding table's
+  accumulator is one list of the rows looked up, shared by the replicas
+  (see embedding_example.py).
 - `micro_batch_weight` under replicas: a callable returning the replica's
   own count (it is called on each replica), or a tensor built in the
   replica function; the weights add up over replicas. A nonfinite_policy

@@ -44,9 +44,10 @@ optimizer applies it to the ps as it would a bare step's gradient.
   it resumed; MonitoredTrainingSession recovering from a preemption is such
   a restart.
 - Embedding tables (sparse gradients, also partitioned over several ps): a
-  worker keeps no table-sized copy. Each micro-step enqueues its looked-up
-  ids and rows in a queue on the worker; the apply step adds up the rows of
-  equal ids and hands on an IndexedSlices of the touched rows.
+  worker keeps no table-sized copy. Each micro-step appends its looked-up
+  ids and rows to a list, a local variable on the worker's CPU; the apply
+  step adds up the rows of equal ids and hands on an IndexedSlices of the
+  touched rows.
 
 Traffic into the ps (`tools/benchmark --suites=parameter_servers`, 5 MB of
 gradients, SGD): the bare optimizer sends 5.25 MB per micro-step; the
