@@ -19,6 +19,7 @@ import collections
 
 from deferred_grad import arguments
 from deferred_grad import compat
+from deferred_grad import tables
 
 tf = compat.import_tensorflow()
 
@@ -181,6 +182,10 @@ def clip_by_global_norm(gradients, clip_norm):
   and each replica hands on 1/replicas of the clipped sum for the wrapped
   optimizer's own all-reduce to add up.
 
+  A table's gradient (IndexedSlices) holds a row per id looked up, as the
+  large batch's: its rows of equal ids are added up first, so that the
+  norm is the dense gradient's.
+
   Args:
     gradients: the accumulated gradients (Tensors or IndexedSlices).
     clip_norm: the largest global norm.
@@ -190,6 +195,7 @@ def clip_by_global_norm(gradients, clip_norm):
   """
   replica_context = tf.distribute.get_replica_context()
   replicas = replica_context.num_replicas_in_sync
+  gradients = [_summed_by_id(g) for g in gradients]
   if replicas > 1:
     # stop_gradient: a replica context's all_reduce is differentiable, and in
     # graph mode it walks back from its result through every replica's input
@@ -203,6 +209,14 @@ def clip_by_global_norm(gradients, clip_norm):
   if replicas > 1:
     clipped = [g / replicas for g in clipped]
   return clipped
+
+
+def _summed_by_id(gradient):
+  """An IndexedSlices with its rows of equal ids added up; a Tensor as is."""
+  if not isinstance(gradient, tf.IndexedSlices):
+    return gradient
+  unique, rows = tables.sum_by_id(gradient.indices, gradient.values)
+  return tf.IndexedSlices(rows, unique, gradient.dense_shape)
 
 
 def cast_like(gradients, var_list):

@@ -43,9 +43,8 @@ def _ids(gradient):
   return tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)
 
 
-def _sum_by_id(ids, rows):
-  """(unique ids, rows of equal ids added up in their order), for the
-  apply step's IndexedSlices."""
+def sum_by_id(ids, rows):
+  """(unique ids, rows of equal ids added up in their order)."""
   unique, positions = tf.unique(ids)
   return unique, tf.math.unsorted_segment_sum(rows, positions,
                                               tf.size(unique))
@@ -124,10 +123,11 @@ class RowListAccumulator(object):
   cost of a micro-step not growing with the table. A list longer than the
   table (a small vocabulary under large batches) is first added up by id,
   so that it never holds more than the table's rows and one micro-step's.
-  The apply step adds up the rows of equal ids, in the order a dense
-  accumulator adds them, and hands on an `IndexedSlices` over every id
-  looked up, also one whose sum is exactly zero (a masked padding id), as
-  the large batch's gradient; the reset empties the list.
+  The apply step hands the list on as an `IndexedSlices`, a row per id
+  looked up, repeated ids and all, as the large batch's gradient holds them
+  (the wrapped optimizer adds repeats up, as it does for the large batch;
+  `numerics.clip_by_global_norm` adds them up for the norm), also a row
+  whose sum is exactly zero (a masked padding id); the reset empties it.
 
   A checkpoint of the original (or of a version before this kind) holds
   the table-sized dense accumulator under the same name: the first
@@ -198,7 +198,7 @@ class RowListAccumulator(object):
 
   def _summed(self, listed):
     """`listed` with the rows of equal ids added up, in their order."""
-    return self._pack(*_sum_by_id(*self._unpack(listed)))
+    return self._pack(*sum_by_id(*self._unpack(listed)))
 
   def _assign(self, value):
     local = self.local
@@ -232,10 +232,10 @@ class RowListAccumulator(object):
     return tf.no_op()
 
   def read(self, length):
-    """The cycle's rows, those of equal ids added up, as IndexedSlices."""
+    """The cycle's rows as IndexedSlices."""
     del length  # the list holds the cycle's rows
-    if self._first:
-      ids, rows = self._unpack(self._summed(self._rows()))
+    if self._first:  # as the large batch's: repeated ids and all
+      ids, rows = self._unpack(self._rows())
     else:  # the first replica hands on the shared list's rows
       ids, rows = self._unpack(tf.zeros([0, self._columns], self._dtype))
     rows = tf.reshape(rows, [-1] + self._dense_shape[1:].as_list())

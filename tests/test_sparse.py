@@ -47,14 +47,18 @@ def _spy_on_handoff(make_optimizer):
   return models.with_gradient_transform(make_optimizer, record), received
 
 
+# 2 micro-steps of 9 ids: a list shorter than the table's 24 rows, handed on
+# with its repeated ids, as the large batch's; 3: a list longer than the
+# table, added up by id on the apply step.
+@pytest.mark.parametrize('grad_steps', [2, GRAD_STEPS])
 @pytest.mark.parametrize('optimizer', SPARSE_OPTIMIZERS)
-def test_matches_large_batch(optimizer, use_tpu):
+def test_matches_large_batch(optimizer, grad_steps, use_tpu):
   make_optimizer = models.OPTIMIZERS[optimizer]
-  data = _data()
+  data = make_embedding_data(CYCLES, grad_steps * models.MICRO_BATCH)
   expected, _, _ = train(make_optimizer, data, model='embedding')
   spied, received = _spy_on_handoff(make_optimizer)
   actual, _, _ = train(
-      spied, data, grad_steps=GRAD_STEPS, use_tpu=use_tpu, model='embedding')
+      spied, data, grad_steps=grad_steps, use_tpu=use_tpu, model='embedding')
   assert received == [{'table': 'sparse', 'projection': 'dense'}]
   assert_same_training(actual, expected)
 
@@ -81,8 +85,8 @@ def test_accumulator_holds_only_the_rows_looked_up(use_tpu):
   """The table's accumulator lists the cycle's rows, not the whole table.
 
   Each micro-step appends its looked-up rows (a dense add kernel would
-  write the whole table), and the apply step hands on their sums by id and
-  empties the list.
+  write the whole table), and the apply step hands them on and empties the
+  list.
   """
   trainer = Trainer(models.OPTIMIZERS['Adagrad'], GRAD_STEPS,
                     use_tpu=use_tpu, model='embedding')
@@ -193,6 +197,54 @@ def test_mirrored_strategy(optimizer, use_global_step):
     session.run(trainer.init_op)
     actual = trainer.run(session, data)
   assert_same_training(actual, expected)
+
+
+CLIP_NORM = 0.05
+
+
+def _clip_pairs(dense_norm):
+  """A gradient transform: the large batch's gradient clipped to CLIP_NORM,
+  by its dense norm (repeated ids added up first) or, wrongly, counting a
+  repeated id's rows apart; kept sparse."""
+  def clip(grads_and_vars):
+    grads, variables = zip(*grads_and_vars)
+    if dense_norm:
+      grads = [_summed_by_id(g) for g in grads]
+    clipped, _ = tf.clip_by_global_norm(grads, CLIP_NORM)
+    return list(zip(clipped, variables))
+  return clip
+
+
+def _summed_by_id(gradient):
+  if not isinstance(gradient, tf.IndexedSlices):
+    return gradient
+  unique, positions = tf.unique(gradient.indices)
+  return tf.IndexedSlices(tf.math.unsorted_segment_sum(
+      gradient.values, positions, tf.size(unique)), unique,
+                          gradient.dense_shape)
+
+
+def test_clip_norm_takes_a_table_s_dense_norm(use_tpu):
+  """The cycle's rows go on with repeated ids (as the large batch's); the
+  clip's norm adds them up first, as that of the dense gradient.
+
+  Two micro-steps of 9 ids: a list shorter than the table's 24 rows, which
+  is not added up by id before the apply step."""
+  make_optimizer = models.OPTIMIZERS['Momentum']
+  grad_steps = 2
+  data = make_embedding_data(CYCLES, grad_steps * models.MICRO_BATCH)
+  results = {}
+  for dense_norm in (True, False):
+    results[dense_norm], _, _ = train(
+        models.with_gradient_transform(make_optimizer,
+                                       _clip_pairs(dense_norm)),
+        data, model='embedding')
+  actual, _, _ = train(make_optimizer, data, grad_steps=grad_steps,
+                       use_tpu=use_tpu, model='embedding',
+                       clip_norm=CLIP_NORM)
+  assert_same_training(actual, results[True])
+  with pytest.raises(AssertionError):  # repeated ids make the norms differ
+    assert_same_training(actual, results[False])
 
 
 def test_sharded_table_accumulator(use_tpu):

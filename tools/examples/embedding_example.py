@@ -8,10 +8,10 @@ prints the largest difference between the two tables (round-off).
 In one process, under MirroredStrategy and on parameter-server workers the
 table's accumulator (`<table>/GradientAccumulator`) is a list of the rows the
 cycle looked up, each beside its id: each micro-step appends its rows (one
-per looked-up id), and the apply step adds up those of equal ids, hands them
-on and empties the list; a list longer than the table is added up by id
-first, so that it never holds more than the table's rows and one
-micro-step's. No step reads the whole table, and the accumulator's memory
+per looked-up id), and the apply step hands them on, repeated ids and all,
+as the large batch's gradient holds them, and empties the list; a list
+longer than the table is added up by id first, so that it never holds more
+than the table's rows and one micro-step's. No step reads the whole table, and the accumulator's memory
 follows the rows looked up (`tools/benchmark --suites=sparse`, README
 "Performance"). The wrapped optimizer receives a `tf.IndexedSlices` over
 every row the cycle touched, also a row whose gradient summed to exactly

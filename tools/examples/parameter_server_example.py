@@ -46,8 +46,7 @@ optimizer applies it to the ps as it would a bare step's gradient.
 - Embedding tables (sparse gradients, also partitioned over several ps): a
   worker keeps no table-sized copy. Each micro-step appends its looked-up
   ids and rows to a list, a local variable on the worker's CPU; the apply
-  step adds up the rows of equal ids and hands on an IndexedSlices of the
-  touched rows.
+  step hands on an IndexedSlices of the touched rows.
 
 Traffic into the ps (`tools/benchmark --suites=parameter_servers`, 5 MB of
 gradients, SGD): the bare optimizer sends 5.25 MB per micro-step; the
