@@ -247,6 +247,48 @@ def test_clip_norm_takes_a_table_s_dense_norm(use_tpu):
     assert_same_training(actual, results[False])
 
 
+def test_a_replica_s_skipped_micro_batch_adds_no_rows_to_the_shared_list():
+  """nonfinite_policy='skip_micro_batch' under MirroredStrategy: a NaN
+  target on one replica's part of one micro-step skips that part alone;
+  its rows do not reach the shared list, and training matches the large
+  batch without that part's examples."""
+  make_optimizer = models.OPTIMIZERS['Adagrad']
+  part = models.MICRO_BATCH  # one replica's share of a micro-step
+  ids, y = _data(training.REPLICAS)
+  # Cycle 1, micro-step 1, replica 1.
+  bad = slice((training.REPLICAS + 1) * part, (training.REPLICAS + 2) * part)
+  y = y.copy()
+  y[1, bad] = np.nan
+  bare = Trainer(make_optimizer, model='embedding')
+  expected = []
+  with bare.session() as session:
+    for cycle in range(CYCLES):
+      keep = np.ones(len(ids[cycle]), bool)
+      if cycle == 1:
+        keep[bad] = False
+      bare.micro_step(session, ids[cycle][keep], y[cycle][keep])
+      expected.append(session.run(bare.variables))
+  trainer = MirroredTrainer(make_optimizer, GRAD_STEPS, model='embedding',
+                            nonfinite_policy='skip_micro_batch')
+  accumulator = trainer.optimizer.get_slot(trainer.variables['table'],
+                                           'grad_accum')
+  actual = []
+  with trainer.session() as session:
+    for cycle in range(CYCLES):
+      for step in range(GRAD_STEPS):
+        rows = slice(step * training.REPLICAS * part,
+                     (step + 1) * training.REPLICAS * part)
+        trainer.micro_step(session, ids[cycle][rows], y[cycle][rows])
+        if cycle == 1 and step == 1:
+          listed, _ = training.listed_rows(session.run(accumulator),
+                                           [models.EMBEDDING_DIM])
+          finite = np.concatenate([ids[1][:(training.REPLICAS + 1) * part]])
+          assert list(listed) == list(finite.ravel())
+      actual.append(session.run(trainer.variables))
+    assert session.run(trainer.optimizer.skipped_micro_batches) == 1
+  assert_same_training(actual, expected)
+
+
 def test_sharded_table_accumulator(use_tpu):
   partitions = 2
   make_optimizer = models.OPTIMIZERS['Momentum']

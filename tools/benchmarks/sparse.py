@@ -44,7 +44,7 @@ import peak_memory  # tools/peak_memory.py
 FLAGS = common.FLAGS
 common.flags.DEFINE_list('table_rows', ['10000', '1000000', '10000000'],
                          'Sparse suite: embedding table sizes.')
-common.flags.DEFINE_integer('sparse_cycles', 12,
+common.flags.DEFINE_integer('sparse_cycles', 30,
                             'Sparse suite: timed cycles per variant.')
 common.flags.DEFINE_enum('sparse_optimizer', 'sgd', ['sgd', 'adagrad'],
                          'Sparse suite: the optimizer (wrapped and bare).')
@@ -82,6 +82,29 @@ def _graph(tf, rows, variant, grad_steps):
     return global_step.assign_add(1), ids
 
 
+def _side_by_side(tf, rows, grad_steps):
+  """{variant: ms per micro-step}: the bare step and the wrapper's whole
+  cycles, each its own table, timed in interleaved rounds of one cycle."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  feeds = [np.random.RandomState(0).randint(0, rows, size=IDS_PER_STEP)
+           for _ in range(64)]
+  steps = {}
+  for variant in ('bare', 'wrapper'):
+    graph = tf.Graph()
+    with graph.as_default():
+      train_op, ids = _graph(tf, rows, variant, grad_steps)
+      session = tf.compat.v1.Session(graph=graph)
+      session.run(tf.compat.v1.global_variables_initializer())
+    calls = iter(range(2**62))
+    steps[variant] = (
+        lambda s=session, op=train_op, i=ids, n=calls:
+        s.run(op, {i: feeds[next(n) % len(feeds)]}))
+  # Warm-up and rounds of `grad_steps` calls: whole cycles of the wrapper.
+  seconds = common.time_interleaved(steps, rounds=FLAGS.sparse_cycles,
+                                    steps=grad_steps)
+  return {variant: s * 1e3 for variant, s in seconds.items()}
+
+
 def child(spec):
   """Times one 'rows,variant' in this process; prints JSON."""
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -89,6 +112,9 @@ def child(spec):
   rows = int(rows)
   grad_steps = FLAGS.grad_steps
   tf = common.import_tf()
+  if variant == 'side_by_side':
+    print(json.dumps(_side_by_side(tf, rows, grad_steps)))
+    return
   graph = tf.Graph()
   with graph.as_default():
     train_op, ids = _graph(tf, rows, variant, grad_steps)
@@ -123,7 +149,7 @@ def run():
   results = []
   for rows in rows_list:
     measured = {}
-    for variant in ['bare', 'wrapper', 'original']:
+    for variant in ['bare', 'wrapper', 'original', 'side_by_side']:
       if variant == 'original' and rows > ORIGINAL_MAX_ROWS:
         continue
       measured[variant] = common.run_child(
@@ -139,6 +165,7 @@ def run():
   for result in results:
     wrapper, bare = result['ms']['wrapper'], result['ms']['bare']
     original = result['ms'].get('original')
+    side_by_side = result['ms']['side_by_side']
     rows_out.append([
         '{:,}'.format(result['rows']),
         '%.3f' % wrapper['accumulate_ms'],
@@ -148,6 +175,10 @@ def run():
         '%.2fx' % (wrapper['cycle_per_step_ms'] /
                    smallest['cycle_per_step_ms']),
         '%.3f' % bare['step_ms'],
+        '%.3f / %.3f = %.2fx' % (side_by_side['wrapper'],
+                                 side_by_side['bare'],
+                                 side_by_side['wrapper'] /
+                                 side_by_side['bare']),
         '%.3f' % original['accumulate_ms'] if original else 'not run',
         '%.0f / %.0f' % (wrapper['rss_mb'], bare['rss_mb']),
         '%.0f / %.0f' % (wrapper['peak_rss_mb'], bare['peak_rss_mb']),
@@ -157,6 +188,7 @@ def run():
        'apply step (ms)', 'whole cycle of %d, per micro-step (ms)' %
        FLAGS.grad_steps, 'vs smallest',
        'bare %s step (ms)' % FLAGS.sparse_optimizer,
+       'side by side: cycle per micro-step / bare step (ms)',
        'original\'s dense accumulate (ms)',
        'RSS after training, wrapper / bare (MB)',
        'peak RSS, wrapper / bare (MB)'], rows_out)
