@@ -18,8 +18,8 @@ original's scale, so that its checkpoints restore mid-cycle); under a
 One kind per kind of gradient sits behind it: `DenseAccumulator` (added,
 read and zeroed in place, by `kernels`), `ShardedAccumulator` (added
 through an XLA sharding annotation), and a table's (sparse gradients) from
-`tables`. With grad_steps=1 nothing accumulates: `PassThrough` hands the
-apply step the micro-step's own gradients.
+`row_lists` or `tables`. With grad_steps=1 nothing accumulates:
+`PassThrough` hands the apply step the micro-step's own gradients.
 """
 
 from __future__ import absolute_import
@@ -35,6 +35,7 @@ from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import distribute
 from deferred_grad import kernels
+from deferred_grad import row_lists
 from deferred_grad import sharding
 from deferred_grad import tables
 
@@ -78,7 +79,7 @@ def create_slot(opt, variable, dtype, owner=None, columns=None):
     dtype: the accumulator's dtype, or None for the variable's.
     owner: the train op's state: each train op its own slot (`_slot_name`).
     columns: None for a slot shaped like `variable`; else the width of a
-      list of rows (`tables.RowListAccumulator`), empty at first.
+      list of rows (`row_lists.RowListAccumulator`), empty at first.
 
   Returns:
     The slot variable.
@@ -91,7 +92,7 @@ def create_slot(opt, variable, dtype, owner=None, columns=None):
   dtype = dtype or variable.dtype.base_dtype
   slot_name, op_name = _slot_name(opt, variable, owner)
   if columns is not None:
-    slot = opt._get_or_make_slot(variable, tables.empty_list(columns, dtype),
+    slot = opt._get_or_make_slot(variable, row_lists.empty_list(columns, dtype),
                                  slot_name, op_name)
   elif variable.shape.is_fully_defined():
     slot = opt._get_or_make_slot_with_initializer(
@@ -142,9 +143,9 @@ class DenseAccumulator(object):
   def add(self, gradient, divisor, handle=None):
     """accumulator += gradient / divisor, in place, in one kernel."""
     variable = self.local
-    checks = []  # a table's (sparse_as_dense): see `tables.check_dense`
+    checks = []  # a table's (sparse_as_dense): see `row_lists.check_dense`
     if isinstance(gradient, tf.IndexedSlices) and not compat.in_xla_context():
-      checks = [tables.check_dense(variable)]
+      checks = [row_lists.check_dense(variable)]
     with tf.control_dependencies(checks):
       gradient = self._dense(gradient)
     return kernels.add(variable, gradient,
@@ -224,7 +225,7 @@ class Accumulators(object):
     return [accumulator.mark() for accumulator in self._accumulators]
 
   def shared_rows(self, gradients, divisor, finite):
-    """{index: rows} for the lists the replicas share (`tables`), which
+    """{index: rows} for the lists the replicas share (`row_lists`), which
     `add` left out: none where `finite` (None: always) is False."""
     shared = {}
     for index, (accumulator, gradient) in enumerate(
@@ -330,21 +331,21 @@ def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
       servers): the accumulator is then the worker's own, not a slot.
     owner: the train op's state (see `create_slot`).
     replica: None, or this replica's index where several share a table's
-      `tables.RowListAccumulator`.
+      `row_lists.RowListAccumulator`.
 
   Returns:
-    A `DenseAccumulator`, `ShardedAccumulator`, or one of `tables`'
-    `RowListAccumulator` or `SparseAccumulator`.
+    A `DenseAccumulator`, `ShardedAccumulator`,
+    `row_lists.RowListAccumulator` or `tables.SparseAccumulator`.
   """
   arguments.check_accumulator_width(dtype, variable)
   dtype = dtype or variable.dtype.base_dtype
   table = sparse and isinstance(gradient, tf.IndexedSlices)
   name = variable.op.name + '/' + SLOT_OP_NAME
-  columns = tables.list_columns(variable, dtype) if table else None
+  columns = row_lists.list_columns(variable, dtype) if table else None
   if local is not None:  # the worker's own, not a slot (see `placement`)
     if columns is not None:
-      return tables.RowListAccumulator(local.variable(
-          name, lambda: tables.empty_list(columns, dtype), dtype,
+      return row_lists.RowListAccumulator(local.variable(
+          name, lambda: row_lists.empty_list(columns, dtype), dtype,
           list_of_rows=True), variable, dtype)
     shape = variable.shape
     return DenseAccumulator(local.variable(
@@ -354,7 +355,7 @@ def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
     # Several replicas share one list, where the first one's table is.
     with distribute.one_variable(compat.host_device(variable.device)):
       slot = create_slot(opt, variable, dtype, owner, columns=columns)
-    return tables.RowListAccumulator(slot, variable, dtype, replica)
+    return row_lists.RowListAccumulator(slot, variable, dtype, replica)
   slot = create_slot(opt, variable, dtype, owner)
   if table:
     return tables.SparseAccumulator(slot, num_partitions, in_xla)

@@ -153,7 +153,7 @@ def one_variable(device):
   """Variables created inside are one plain variable on `device`.
 
   Not one per replica: for state that every replica's part meets in (a
-  table's list of rows, `tables.RowListAccumulator`), written once per run
+  table's list of rows, `row_lists.RowListAccumulator`), written once per run
   in the cross-replica context and saved as it is. Outside a multi-replica
   strategy this changes nothing.
 

@@ -19,7 +19,7 @@ import collections
 
 from deferred_grad import arguments
 from deferred_grad import compat
-from deferred_grad import tables
+from deferred_grad import row_lists
 
 tf = compat.import_tensorflow()
 
@@ -215,7 +215,7 @@ def _summed_by_id(gradient):
   """An IndexedSlices with its rows of equal ids added up; a Tensor as is."""
   if not isinstance(gradient, tf.IndexedSlices):
     return gradient
-  unique, rows = tables.sum_by_id(gradient.indices, gradient.values)
+  unique, rows = row_lists.sum_by_id(gradient.indices, gradient.values)
   return tf.IndexedSlices(rows, unique, gradient.dense_shape)
 
 

@@ -23,7 +23,7 @@ most K - 1 micro-batches per worker), as with `SyncReplicasOptimizer`.
 `worker_local(var_list)` detects this placement and returns a `WorkerLocal`,
 which creates the state there as local variables: the counters, and a dense
 accumulator as a worker-local variable. A table's accumulator there is a
-`tables.RowListAccumulator` on the worker's CPU, which holds only the rows
+`row_lists.RowListAccumulator` on the worker's CPU, which holds only the rows
 the cycle looked up instead of a table-sized copy per worker.
 """
 
@@ -116,7 +116,7 @@ class WorkerLocal(object):
       name: its name (uniquified by the graph).
       initial_value: a callable returning its initial value.
       dtype: its dtype.
-      list_of_rows: a `tables.RowListAccumulator`'s list: of no static
+      list_of_rows: a `row_lists.RowListAccumulator`'s list: of no static
         shape, on the worker's CPU also under a GPU worker device.
 
     Returns:

@@ -228,15 +228,18 @@ def assert_weights_moved(before, after):
 
 
 def listed_rows(value, row_shape):
-  """(ids, rows) of a table's accumulator list (`tables.RowListAccumulator`).
+  """(ids, rows) of a table's accumulator list (`row_lists.RowListAccumulator`).
 
-  Each row of `value` is an int64 id, its 8 bytes in the first columns,
-  then the row's accumulated gradient.
+  Row 0 records the number n of rows listed, an int64 in its first
+  columns; each of rows 1 to n an int64 id the same way, then the row's
+  accumulated gradient; the rows after them are free room.
   """
   value = np.asarray(value)
   id_columns = 8 // value.dtype.itemsize
   ids = np.ascontiguousarray(value[:, :id_columns]).view(np.int64)[:, 0]
-  return ids, value[:, id_columns:].reshape((-1,) + tuple(row_shape))
+  listed = slice(1, 1 + ids[0])
+  return ids[listed], value[listed, id_columns:].reshape(
+      (-1,) + tuple(row_shape))
 
 
 def first_appearances(ids):
