@@ -2,36 +2,50 @@
 
 Tables of 10k, 1M and 10M rows by 64 (float32; 10M rows is 2.5 GB), 256
 looked-up ids per micro-step, SGD (--sparse_optimizer=adagrad: Adagrad), K =
---grad_steps. Each (table, variant) runs in a fresh process, one after
-another in one run, so that its peak memory is its own:
+--grad_steps. Time, side by side in one process (one graph, one table, one
+optimizer), interleaved rounds of one cycle each:
 
   bare      the bare optimizer's sparse step;
-  wrapper   whole cycles through the wrapper: the accumulate-only
-            micro-steps and the apply step timed apart, and the whole cycle
-            per micro-step;
-  original  the original module's dense accumulation of the same gradient
-            (tables up to 1M rows: at 10M it allocates a 2.5 GB dense
-            gradient per micro-step).
+  gate      the bare step and a cycle's decision (a counter read and one
+            If, deciding nothing): what any in-graph cycle pays per run;
+  wrapper   whole cycles through the wrapper, per micro-step.
 
-Results (TensorFlow 2.21, 2 cores, K = 8; ms; RSS after training = peak),
-with a table's accumulator a list of the rows looked up:
+Memory, and the wrapper's accumulate-only and apply steps apart, each
+(table, variant) in a fresh process, one after another in one run, so that
+its peak memory is its own (these timings vary by up to 1.6x between
+processes); `original` is the original module's dense accumulation of the
+same gradient (tables up to 1M rows: at 10M it allocates a 2.5 GB dense
+gradient per micro-step).
 
-  rows x 64    accumulate-only  vs 10k  apply  cycle per micro-step  vs 10k  bare   original  RSS wrapper/bare MB
-  10,000       0.451            1.00x   1.955  0.718                 1.00x   0.375  0.846     552 / 542
-  1,000,000    0.536            1.19x   2.565  0.790                 1.10x   0.504  161.9     1036 / 1024
-  10,000,000   0.509            1.13x   2.279  0.785                 1.09x   0.400  not run   5429 / 5419
+Results (TensorFlow 2.21, 2 cores, K = 8, 30 rounds; ms; RSS after training
+= peak), with a table's accumulator a list of the rows looked up, with room:
+
+  SGD          side by side: cycle / bare     gate / bare  apply  original  RSS wrapper/bare MB
+  10,000       0.432 / 0.287 = 1.51x          1.06x        1.209  0.679     523 / 511
+  1,000,000    0.350 / 0.249 = 1.40x          0.93x        1.883  116.4     1006 / 993
+  10,000,000   0.504 / 0.361 = 1.39x          1.07x        1.642  not run   5401 / 5388
+
+  Adagrad
+  10,000       0.428 / 0.409 = 1.05x          1.07x        2.197  0.725     530 / 518
+  1,000,000    0.474 / 0.439 = 1.08x          1.12x        2.751  113.6     1495 / 1482
+  10,000,000   0.331 / 0.296 = 1.12x          1.06x        2.053  not run   10284 / 10271
 
 Memory: the wrapper's RSS after training is the bare optimizer's plus
-0.4% of one table at 10M rows (the accumulator lists at most K x 256 rows;
-before it was one more table-sized variable: 10,815 MB against 5,670).
-Time: the whole cycle per micro-step is 1.6x-2.0x the bare SGD step (target
-1.1x, not met): each micro-step appends its rows, and the apply step adds up
-those of equal ids, hands them on and empties the list, on top of the
-session's per-run cost. (Adding up by id on every micro-step, which bounds
-the list by the table, took 0.8-1.2 ms a micro-step: the list adds up only
-when longer than the table.) This VM's timings vary by up to 1.6x between
-runs of one variant (the bare step took 0.23-0.40 ms at 10k rows in one
-hour); RSS does not.
+12-13 MB at every size (0.5% of a 10M-row table; the list holds at most K x 256
+rows and its room; before the lists it was one more table-sized variable:
+10,815 MB against 5,670).
+
+Time: target 1.1x. Adagrad: 1.05x-1.12x, about what the gate alone costs
+(1.06x-1.12x; the bare step dedupes its 256 ids each step, the wrapper its
+cycle's once). SGD: 1.39x-1.51x, not met. The gate is 0.93x-1.07x, so the
+rest is the list: each micro-step packs its rows beside their ids and
+scatters them into the list (with its check of the list's layout, a
+restored dense accumulator, and room: one more If), and the apply step
+reads them back; SGD's own step is a gather and a scatter of 256 rows,
+cheaper than that bookkeeping. Before the list kept room (a concat of the
+whole list per micro-step) and while the apply step added up repeated ids
+itself: 1.6x-2.0x (SGD). This VM's timings vary by about 5% between runs
+of this suite.
 """
 
 import json
@@ -53,62 +67,73 @@ IDS_PER_STEP, DIM = 256, 64
 ORIGINAL_MAX_ROWS = 1000000
 
 
-def _graph(tf, rows, variant, grad_steps):
-  """The train op and the ids placeholder of one variant."""
-  import deferred_grad  # pylint: disable=g-import-not-at-top
+def _model(tf, rows):
+  """(table, ids placeholder, loss, global step) of the embedding model."""
   table = tf.compat.v1.get_variable(
       'table', [rows, DIM], initializer=tf.compat.v1.zeros_initializer())
   ids = tf.compat.v1.placeholder(tf.int32, [IDS_PER_STEP])
   loss = tf.reduce_sum(tf.square(tf.nn.embedding_lookup(table, ids) - 1.0))
-  global_step = tf.compat.v1.train.get_or_create_global_step()
+  return table, ids, loss, tf.compat.v1.train.get_or_create_global_step()
+
+
+def _optimizer(tf):
   if FLAGS.sparse_optimizer == 'adagrad':
-    optimizer = tf.compat.v1.train.AdagradOptimizer(0.1)
-  else:
-    optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    return tf.compat.v1.train.AdagradOptimizer(0.1)
+  return tf.compat.v1.train.GradientDescentOptimizer(0.1)
+
+
+def _train_op(tf, variant, model, optimizer, grad_steps):
+  """One variant's train op on `model` (`_model`)."""
+  import deferred_grad  # pylint: disable=g-import-not-at-top
+  from deferred_grad import lazy_cond  # pylint: disable=g-import-not-at-top
+  table, _, loss, global_step = model
   if variant == 'bare':
-    return optimizer.minimize(loss, global_step=global_step), ids
+    return optimizer.minimize(loss, global_step=global_step)
   if variant == 'gate':
     # The bare step, then the cycle's decision that any in-graph cycle makes
     # on each run (a counter read, and one If), deciding nothing.
-    from deferred_grad import lazy_cond  # pylint: disable=g-import-not-at-top
     step = optimizer.minimize(loss, global_step=global_step)
     with tf.control_dependencies([step]):
       is_end = tf.equal(global_step.read_value() % grad_steps, 0)
     return lazy_cond.cond(is_end, lambda: global_step.assign_add(0).op,
-                          tf.no_op), ids
+                          tf.no_op)
   if variant == 'wrapper':
     return deferred_grad.GradientAggregationOptimizer(
-        optimizer, grad_steps=grad_steps).minimize(loss, global_step=global_step), ids
+        optimizer, grad_steps=grad_steps).minimize(loss,
+                                                   global_step=global_step)
   # The original module's dense accumulation of IndexedSlices (no apply).
   (grad, _), = optimizer.compute_gradients(loss, [table])
   accumulator = tf.compat.v1.get_variable(
-      'accumulator', [rows, DIM],
+      'accumulator', table.shape,
       initializer=tf.compat.v1.zeros_initializer(), trainable=False)
   scaled = tf.IndexedSlices(grad.values / grad_steps, grad.indices,
                             dense_shape=grad.dense_shape)
   accumulate = accumulator.assign(accumulator.read_value() + scaled)
   with tf.control_dependencies([accumulate]):
-    return global_step.assign_add(1), ids
+    return global_step.assign_add(1)
 
 
 def _side_by_side(tf, rows, grad_steps):
-  """{variant: ms per micro-step}: the bare step and the wrapper's whole
-  cycles, each its own table, timed in interleaved rounds of one cycle."""
+  """{variant: ms per micro-step} of 'bare', 'gate' and 'wrapper', timed in
+  interleaved rounds of one cycle each. One graph and table, and one
+  optimizer (its slots) for all three: two tables of 10M rows with
+  Adagrad's slots do not fit in 24 GB. Each round's `grad_steps` calls
+  move `global_step` by whole cycles, so the wrapper's cycles stay whole."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   feeds = [np.random.RandomState(0).randint(0, rows, size=IDS_PER_STEP)
            for _ in range(64)]
-  steps = {}
-  for variant in ('bare', 'gate', 'wrapper'):
-    graph = tf.Graph()
-    with graph.as_default():
-      train_op, ids = _graph(tf, rows, variant, grad_steps)
-      session = tf.compat.v1.Session(graph=graph)
-      session.run(tf.compat.v1.global_variables_initializer())
-    calls = iter(range(2**62))
-    steps[variant] = (
-        lambda s=session, op=train_op, i=ids, n=calls:
-        s.run(op, {i: feeds[next(n) % len(feeds)]}))
-  # Warm-up and rounds of `grad_steps` calls: whole cycles of the wrapper.
+  graph = tf.Graph()
+  with graph.as_default():
+    model = _model(tf, rows)
+    optimizer = _optimizer(tf)
+    ops = {variant: _train_op(tf, variant, model, optimizer, grad_steps)
+           for variant in ('bare', 'gate', 'wrapper')}
+    session = tf.compat.v1.Session(graph=graph)
+    session.run(tf.compat.v1.global_variables_initializer())
+  calls = iter(range(2**62))
+  steps = {variant: (lambda op=op: session.run(
+      op, {model[1]: feeds[next(calls) % len(feeds)]}))
+           for variant, op in ops.items()}
   seconds = common.time_interleaved(steps, rounds=FLAGS.sparse_cycles,
                                     steps=grad_steps)
   return {variant: s * 1e3 for variant, s in seconds.items()}
@@ -126,7 +151,9 @@ def child(spec):
     return
   graph = tf.Graph()
   with graph.as_default():
-    train_op, ids = _graph(tf, rows, variant, grad_steps)
+    model = _model(tf, rows)
+    train_op = _train_op(tf, variant, model, _optimizer(tf), grad_steps)
+    ids = model[1]
     session = tf.compat.v1.Session(graph=graph)
     session.run(tf.compat.v1.global_variables_initializer())
   rng = np.random.RandomState(0)
