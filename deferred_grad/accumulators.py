@@ -238,10 +238,10 @@ class Accumulators(object):
     return shared
 
   def append_shared(self, rows_of_replicas):
-    """An op appending each replica's `shared_rows`, in replica order."""
-    return tf.group(*[self._accumulators[index].append(
+    """Ops appending each replica's `shared_rows`, in replica order."""
+    return [self._accumulators[index].append(
         [rows[index] for rows in rows_of_replicas])
-                      for index in sorted(rows_of_replicas[0])])
+            for index in sorted(rows_of_replicas[0])]
 
   def read(self, length, micro_step):
     """A `Read`: the cycle's sums (its `length` micro-steps), in order.
@@ -303,7 +303,7 @@ class PassThrough(object):
     return {}
 
   def append_shared(self, unused):
-    return tf.no_op()
+    return []
 
   def read(self, length, micro_step):
     del length

@@ -307,9 +307,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     state = first.state
     if distribution is not None:  # the replicas' rows of shared tables
       with tf.control_dependencies(micro_steps):
-        micro_steps = [first.accumulators.append_shared([
+        micro_steps = list(micro_steps) + first.accumulators.append_shared([
             p.shared_rows for p in
-            distribution.experimental_local_results(part)])]
+            distribution.experimental_local_results(part)])
     # Under a multi-worker strategy, a session begun mid-cycle drops it.
     restart = distribute.mid_cycle_restart()
     position = state.read_position(micro_steps, restart and restart.check)
