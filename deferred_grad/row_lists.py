@@ -220,6 +220,13 @@ class RowListAccumulator(object):
       return tf.compat.v1.assign(local, value, validate_shape=False).op
     return local.assign(value, read_value=False)
 
+  def _scatter(self, indices, rows):
+    """Writes `rows` at `indices`, in place; returns the op."""
+    local = self.local
+    if compat.is_ref_variable(local):
+      return tf.compat.v1.scatter_update(local, indices, rows).op
+    return local.scatter_update(tf.IndexedSlices(rows, indices)).op
+
   def rows(self, gradient, divisor):
     """The rows looked up (/ `divisor`), each beside its id: a list's part."""
     rows = divisor.divide(tf.cast(gradient.values, self._dtype))
@@ -241,12 +248,9 @@ class RowListAccumulator(object):
           length >= 0, length + added <= capacity))
 
       def write():
-        indices = tf.concat([[0], tf.range(length + 1, length + added + 1)], 0)
-        rows = tf.concat([self._header(length + added), new], 0)
-        local = self.local
-        if compat.is_ref_variable(local):
-          return tf.compat.v1.scatter_update(local, indices, rows).op
-        return local.scatter_update(tf.IndexedSlices(rows, indices)).op
+        return self._scatter(
+            tf.concat([[0], tf.range(length + 1, length + added + 1)], 0),
+            tf.concat([self._header(length + added), new], 0))
 
       def rebuild():
         listed = self._listed(is_list, length)
@@ -290,15 +294,10 @@ class RowListAccumulator(object):
       if not self._first:
         return tf.no_op()
       is_list, _, _ = self._state()
-      local = self.local
-      empty = self._header(tf.constant(0, tf.int64))
-      if compat.is_ref_variable(local):
-        keep = lambda: tf.compat.v1.scatter_update(local, [0], empty).op
-      else:
-        keep = lambda: local.scatter_update(tf.IndexedSlices(empty, [0])).op
-      return lazy_cond.cond(is_list, keep,
-                            lambda: self._assign(empty_list(self._columns,
-                                                            self._dtype)))
+      return lazy_cond.cond(
+          is_list,
+          lambda: self._scatter([0], self._header(tf.constant(0, tf.int64))),
+          lambda: self._assign(empty_list(self._columns, self._dtype)))
 
 
 def nonzero_rows(value):
