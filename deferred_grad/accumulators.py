@@ -122,6 +122,7 @@ class DenseAccumulator(object):
   """
 
   in_place = True  # `Accumulators` batches its handle and read (`kernels`)
+  shared = False  # each replica its own (see `row_lists`)
 
   def __init__(self, slot):
     self.slot = slot
@@ -190,9 +191,11 @@ class ShardedAccumulator(DenseAccumulator):
         current + divisor.divide(self._dense(gradient)), read_value=False)
 
 
-# What `read` returns, for `reset`: the cycle's sums, and the handles the
-# in-place kernels used ({index: handle}).
-Read = collections.namedtuple('Read', ['gradients', 'handles'])
+# What `read` returns: the cycle's sums; for `reset`, the handles the
+# in-place kernels used ({index: handle}); and per sum, whether this replica
+# holds all of the sum over replicas or none of it (a table's list that the
+# replicas share), for `numerics.clip_by_global_norm`.
+Read = collections.namedtuple('Read', ['gradients', 'handles', 'whole'])
 
 
 class Accumulators(object):
@@ -230,7 +233,7 @@ class Accumulators(object):
     shared = {}
     for index, (accumulator, gradient) in enumerate(
         zip(self._accumulators, gradients)):
-      if getattr(accumulator, 'shared', False):
+      if accumulator.shared:
         rows = accumulator.rows(gradient, divisor)
         if finite is not None:  # a skipped micro-step's: no rows
           rows = rows[:tf.shape(rows)[0] * tf.cast(finite, tf.int32)]
@@ -256,7 +259,7 @@ class Accumulators(object):
         [handles[i] for i in indices])))
     return Read([values[i] if i in values else accumulator.read(length)
                  for i, accumulator in enumerate(self._accumulators)],
-                handles)
+                handles, [a.shared for a in self._accumulators])
 
   def reset(self, after, read):
     """An op emptying each accumulator after `after`, one after another.
@@ -308,7 +311,8 @@ class PassThrough(object):
   def read(self, length, micro_step):
     del length
     return Read([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
-                 and not self._sparse else g for g in micro_step], {})
+                 and not self._sparse else g for g in micro_step], {},
+                [False] * len(micro_step))
 
   def reset(self, after, read):
     del read

@@ -191,6 +191,36 @@ def first_replica(distribution, value):
   return distribution.experimental_local_results(value)[0]
 
 
+def of_fixed_length(gradient, length):
+  """`gradient`, an IndexedSlices of at most `length` rows, padded to them.
+
+  Under `MultiWorkerMirroredStrategy` TensorFlow all-reduces an
+  IndexedSlices by gathering every replica's; in a session the gather fails
+  ("Shape mismatch in the collective instance") once its shape differs
+  from the shape of its first run, and the rows a cycle touches differ
+  from cycle to cycle. Padding rows repeat an id that some replica holds,
+  with zero values: the sum by id is the same, and no row is touched that
+  no replica touched. Call it in a replica context.
+  """
+  context = tf.distribute.get_replica_context()
+  indices = tf.cast(gradient.indices, tf.int64)
+  # The largest id of any replica (-1: none holds one, and none pads):
+  # each replica's in its place of a vector that the all-reduce fills.
+  mine = tf.one_hot(context.replica_id_in_sync_group,
+                    context.num_replicas_in_sync, dtype=tf.float64)
+  largest = tf.reduce_max(tf.concat([indices, [-1]], 0))
+  largest = tf.cast(tf.reduce_max(context.all_reduce(
+      tf.distribute.ReduceOp.SUM, mine * tf.cast(largest, tf.float64))),
+                    tf.int64)
+  padding = tf.maximum(length - tf.size(indices, out_type=tf.int64), 0)
+  values = gradient.values
+  zeros = tf.zeros(tf.concat([[padding], tf.shape(values, tf.int64)[1:]], 0),
+                   values.dtype)
+  return tf.IndexedSlices(tf.concat([values, zeros], 0),
+                          tf.concat([indices, tf.fill([padding], largest)], 0),
+                          gradient.dense_shape)
+
+
 def summed_counts(names, distribution, counts_fn, part, over_tpu_cores,
                   length=None):
   """({name: count summed over replicas (and TPU cores)}, replicas, checks).

@@ -174,13 +174,17 @@ def skipped(totals, applied):
           1 - tf.cast(applied, tf.int64))
 
 
-def clip_by_global_norm(gradients, clip_norm):
+def clip_by_global_norm(gradients, clip_norm, whole):
   """Clips the accumulated gradients to `clip_norm`, by their global norm.
 
   Under a multi-replica strategy each replica holds its part of the sum;
   the norm is that of the whole sum, so the parts are all-reduced first,
   and each replica hands on 1/replicas of the clipped sum for the wrapped
-  optimizer's own all-reduce to add up.
+  optimizer's own all-reduce to add up. A table's list that the replicas
+  share is held whole by one replica (`whole`): only its squared norm is
+  all-reduced, and its rows go on sparse and as they are, never densified
+  (table-sized on every replica; a dense update would also move the rows
+  the large batch leaves alone).
 
   A table's gradient (IndexedSlices) holds a row per id looked up, as the
   large batch's: its rows of equal ids are added up first, so that the
@@ -189,26 +193,44 @@ def clip_by_global_norm(gradients, clip_norm):
   Args:
     gradients: the accumulated gradients (Tensors or IndexedSlices).
     clip_norm: the largest global norm.
+    whole: per gradient, whether this replica holds all of the sum over
+      replicas, or none of it (`accumulators.Read.whole`).
 
   Returns:
     The clipped gradients.
   """
   replica_context = tf.distribute.get_replica_context()
   replicas = replica_context.num_replicas_in_sync
-  gradients = [_summed_by_id(g) for g in gradients]
-  if replicas > 1:
-    # stop_gradient: a replica context's all_reduce is differentiable, and in
-    # graph mode it walks back from its result through every replica's input
-    # to the variables; with ref variables (v1 behaviour) it reaches the
-    # mirrored components and fails ("Unsuccessful at finding variable").
-    # Nothing differentiates an accumulated gradient: the walk ends here.
-    gradients = [tf.stop_gradient(tf.convert_to_tensor(g)) for g in gradients]
-    gradients = replica_context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                           gradients)
-  clipped, _ = tf.clip_by_global_norm(gradients, clip_norm)
-  if replicas > 1:
-    clipped = [g / replicas for g in clipped]
-  return clipped
+  if replicas == 1:
+    return tf.clip_by_global_norm([_summed_by_id(g) for g in gradients],
+                                  clip_norm)[0]
+  # stop_gradient: a replica context's all_reduce is differentiable, and in
+  # graph mode it walks back from its result through every replica's input
+  # to the variables; with ref variables (v1 behaviour) it reaches the
+  # mirrored components and fails ("Unsuccessful at finding variable").
+  # Nothing differentiates an accumulated gradient: the walk ends here.
+  sum_over_replicas = lambda values: replica_context.all_reduce(
+      tf.distribute.ReduceOp.SUM, [map_values(v, tf.stop_gradient)
+                                   for v in values])
+  gradients = list(gradients)
+  parts = [i for i, held in enumerate(whole) if not held]
+  held_whole = [i for i, held in enumerate(whole) if held]
+  squares = []
+  if parts:  # a table's parts are all-reduced sparse: rows of every replica
+    reduced = sum_over_replicas([gradients[i] for i in parts])
+    for i, value in zip(parts, reduced):
+      gradients[i] = _summed_by_id(value)
+    squares.append(tf.square(tf.linalg.global_norm(
+        [gradients[i] for i in parts])))
+  if held_whole:  # held by one replica: the replicas' squares add up to its
+    for i in held_whole:
+      gradients[i] = _summed_by_id(gradients[i])
+    squares.append(sum_over_replicas([tf.square(tf.linalg.global_norm(
+        [gradients[i] for i in held_whole]))])[0])
+  clipped, _ = tf.clip_by_global_norm(gradients, clip_norm,
+                                      use_norm=tf.sqrt(tf.add_n(squares)))
+  return [g if held else map_values(g, lambda x: x / replicas)
+          for g, held in zip(clipped, whole)]
 
 
 def _summed_by_id(gradient):

@@ -372,9 +372,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       if self._apply_crs_to_grad:
         gradients = [tf.compat.v1.tpu.cross_replica_sum(g) for g in gradients]
       gradients = numerics.apply_scale(gradients, fraction)
-      # Clipped once the cycle's gradient is complete, as the large batch's.
-      if self._clip_norm is not None:
-        gradients = numerics.clip_by_global_norm(gradients, self._clip_norm)
+      if self._clip_norm is not None:  # the cycle's gradient, complete
+        gradients = numerics.clip_by_global_norm(gradients, self._clip_norm,
+                                                 read.whole)
       gradients = numerics.cast_like(gradients, part.var_list)
       done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
     with tf.control_dependencies([done]):

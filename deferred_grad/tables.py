@@ -13,7 +13,8 @@ table either:
   variable of the worker (see `placement`).
 * `SparseAccumulator` (inside XLA, and `MultiWorkerMirroredStrategy`): a
   table-sized slot, as the original's; a queue on the host records which
-  rows were touched.
+  rows were touched. Under `MultiWorkerMirroredStrategy` it hands on as
+  many rows as the table has (`distribute.of_fixed_length`).
 
 Both have the interface of `accumulators`: `add`, `mark`, `read`, `reset`.
 """
@@ -23,6 +24,7 @@ from __future__ import division
 from __future__ import print_function
 
 from deferred_grad import compat
+from deferred_grad import distribute
 from deferred_grad import kernels
 from deferred_grad import lazy_cond
 from deferred_grad import row_lists
@@ -71,6 +73,7 @@ class SparseAccumulator(object):
   """
 
   in_place = False  # see `accumulators.Accumulators`
+  shared = False  # each replica its own (see `row_lists`)
 
   def __init__(self, slot, num_partitions=None, in_xla=False):
     self.slot = slot
@@ -138,8 +141,14 @@ class SparseAccumulator(object):
       return tf.gather(value, scanned), scanned
 
     values, rows = lazy_cond.cond(complete, from_record, from_scan)
-    return tf.IndexedSlices(values, rows,
-                            dense_shape=compat.variable_shape(self.local))
+    gradient = tf.IndexedSlices(values, rows,
+                                dense_shape=compat.variable_shape(self.local))
+    if distribute.in_multi_worker_mode(tf.distribute.get_strategy()):
+      # The workers' all-reduces gather slices of one length only: the
+      # table's rows (a cycle's rows touched are not known at graph build).
+      return distribute.of_fixed_length(
+          gradient, tf.cast(gradient.dense_shape[0], tf.int64))
+    return gradient
 
   def reset(self, after, gradient, shared_zeros=None):
     """Zeroes the rows `gradient` (what `read` returned) holds, after `after`.

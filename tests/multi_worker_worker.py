@@ -18,8 +18,10 @@ mid-cycle (both workers must drop that cycle, and train on);
 'schedule': a raw Session with grad_steps a callable of the updates
 applied, SCHEDULE (cycles of 2, 3 and 4 micro-steps); 'schedule_disagree':
 worker k's grad_steps is tf.constant(2 + k) (a mistake: both must fail
-within the options' timeout, not train on). Each
-worker feeds
+within the options' timeout, not train on); 'embedding': a raw Session
+training the embedding model (a table's sparse gradient; the workers touch
+different numbers of rows, and so do the cycles); 'embedding_clip': the
+same with clip_norm=CLIP_NORM. Each worker feeds
 its half of every micro-batch and writes its final weights (and, with a raw
 Session, the executed collectives per micro-step) to OUTPUT.npz.
 """
@@ -45,6 +47,7 @@ GRAD_STEPS = 3
 BAD_STEP, BAD_TASK = 4, 1  # the second micro-step of the second cycle
 POLICIES = ('skip_micro_batch', 'skip_cycle')
 SCHEDULE_LENGTHS = (2, 3, 4)  # CYCLES * GRAD_STEPS micro-steps in all
+CLIP_NORM = 0.05  # 'embedding_clip': below the model's gradients' norms
 
 
 def schedule(updates):
@@ -54,16 +57,15 @@ def schedule(updates):
 REPEATS = int(os.environ.get('DEFERRED_GRAD_SOAK_REPEATS', 1))
 
 
-def _micro_batches(task):
+def _micro_batches(task, model='mlp'):
   """This worker's half of every micro-batch: (x, y), one micro-batch per row.
 
   Worker `task` takes rows [task * MICRO_BATCH, (task + 1) * MICRO_BATCH) of
   each micro-batch of WORKERS * MICRO_BATCH examples, so that the cycle's
   examples are those of one large batch in single-process training.
   """
-  x_data, y_data = models.make_data(models.CYCLES,
-                                      WORKERS * GRAD_STEPS *
-                                      models.MICRO_BATCH)
+  x_data, y_data = models.MODELS[model][0](
+      models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
   shape = (models.CYCLES * GRAD_STEPS, WORKERS, models.MICRO_BATCH, -1)
   return (x_data.reshape(shape)[:, task], y_data.reshape(shape)[:, task])
 
@@ -130,23 +132,25 @@ def estimator_main(output):
       tf.estimator.EvalSpec(input_fn, steps=1))
 
 
-def _build(strategy, policy=None, grad_steps=GRAD_STEPS):
+def _build(strategy, policy=None, grad_steps=GRAD_STEPS, model='mlp',
+           **wrapper_kwargs):
   """The model and its train op, under `strategy.scope()` in a new graph.
 
   Returns:
     (global_step, x, y, {name: variable}, train_op, the wrapper).
   """
   global_step = tf.compat.v1.train.get_or_create_global_step()
-  x = tf.compat.v1.placeholder(tf.float32, [None, models.INPUT_DIM])
-  y = tf.compat.v1.placeholder(tf.float32, [None, models.OUTPUT_DIM])
+  _, ((x_dtype, x_shape), (y_dtype, y_shape)), loss_fn = models.MODELS[model]
+  x = tf.compat.v1.placeholder(x_dtype, x_shape)
+  y = tf.compat.v1.placeholder(y_dtype, y_shape)
   optimizer = deferred_grad.GradientAggregationOptimizer(
       models.OPTIMIZERS['Momentum'](None), grad_steps,
-      nonfinite_policy=policy)
+      nonfinite_policy=policy, **wrapper_kwargs)
   variables = {}
 
   def replica_step():
-    loss, model = models.model_loss(x, y)
-    variables.update(model)
+    loss, model_variables = loss_fn(x, y)
+    variables.update(model_variables)
     return optimizer.minimize(loss / WORKERS, global_step=global_step)
 
   train_op = strategy.group(
@@ -228,7 +232,8 @@ def main(output, mode, delay):
 
 def _train(strategy, server, config, task, mode, checkpoint_dir):
   """Trains once in `mode`; returns (final weights, collectives per step)."""
-  x_data, y_data = _micro_batches(task)
+  model = 'embedding' if mode.startswith('embedding') else 'mlp'
+  x_data, y_data = _micro_batches(task, model)
   policy = mode if mode in POLICIES else None
   if policy and task == BAD_TASK:
     y_data[BAD_STEP, 0, 0] = np.nan
@@ -237,7 +242,8 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
         strategy, policy, {
             'schedule': schedule,
             'schedule_disagree': lambda _: tf.constant(2 + task, tf.int64),
-        }.get(mode, GRAD_STEPS))
+        }.get(mode, GRAD_STEPS), model,
+        **({'clip_norm': CLIP_NORM} if mode == 'embedding_clip' else {}))
     barrier = deferred_grad.collective_barrier(strategy)
     # The first barrier waits for a late worker; 'uneven' bounds the runs
     # after it by 8 s, which its refused run must reach.

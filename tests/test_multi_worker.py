@@ -185,6 +185,48 @@ def test_workers_follow_one_schedule(tmp_path):
     assert_same_training([weights], [expected])
 
 
+def _clipped_by_dense_norm(grads_and_vars):
+  """The large batch's gradients clipped as `clip_norm` clips: by the norm
+  of the dense gradient (a table's repeated ids added up first), kept
+  sparse."""
+  grads, variables = zip(*grads_and_vars)
+  grads = [tf.IndexedSlices(tf.math.unsorted_segment_sum(
+      g.values, positions, tf.size(unique)), unique, g.dense_shape)
+           if isinstance(g, tf.IndexedSlices) else g
+           for g in grads
+           for unique, positions in [tf.unique(g.indices) if isinstance(
+               g, tf.IndexedSlices) else (None, None)]]
+  clipped, _ = tf.clip_by_global_norm(grads, multi_worker_worker.CLIP_NORM)
+  return list(zip(clipped, variables))
+
+
+def test_a_table_trains_like_one_large_batch_across_workers(tmp_path):
+  """A table's sparse gradient (Momentum: a dense one would move untouched
+  rows): each apply step all-reduces the cycle's rows, though the workers
+  touch different numbers of rows, and so do the cycles."""
+  data = models.make_embedding_data(
+      models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
+  expected, _, _ = train(models.OPTIMIZERS['Momentum'], data,
+                         model='embedding')
+  for weights in _run_workers(tmp_path, 'embedding', [0, 0]):
+    weights.pop('collectives')
+    assert_same_training([weights], [expected[-1]])
+
+
+def test_clip_norm_keeps_a_table_sparse_across_workers(tmp_path):
+  """clip_norm with a table: its rows are all-reduced sparse for the norm
+  of the workers' sum and go on sparse, as the large batch's (a dense
+  gradient would move Momentum's untouched rows)."""
+  data = models.make_embedding_data(
+      models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
+  expected, _, _ = train(models.with_gradient_transform(
+      models.OPTIMIZERS['Momentum'], _clipped_by_dense_norm), data,
+                         model='embedding')
+  for weights in _run_workers(tmp_path, 'embedding_clip', [0, 0]):
+    weights.pop('collectives')
+    assert_same_training([weights], [expected[-1]])
+
+
 @pytest.mark.skipif(
     not hasattr(tf.compat.v1, 'estimator'),
     reason='tf.estimator was removed after TensorFlow 2.15 (tested there)')

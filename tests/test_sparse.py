@@ -248,6 +248,35 @@ def test_clip_norm_takes_a_table_s_dense_norm(use_tpu):
     assert_same_training(actual, results[False])
 
 
+@pytest.mark.parametrize('grad_steps', [1, GRAD_STEPS])
+@pytest.mark.parametrize('optimizer', ['Momentum', 'Ftrl'])
+def test_clip_norm_under_mirrored_strategy_keeps_a_table_sparse(optimizer,
+                                                                grad_steps):
+  """clip_norm under MirroredStrategy: the clipped table gradient goes on
+  sparse, as the large batch's (a dense one would move Momentum's and
+  Ftrl's untouched rows, and be table-sized on each replica), clipped by
+  the global norm of the sum over replicas. With grad_steps=1 each replica
+  holds its own rows, which are all-reduced sparse; else the replicas share
+  one list, which one replica hands on."""
+  make_optimizer = models.OPTIMIZERS[optimizer]
+  data = make_embedding_data(
+      CYCLES, training.REPLICAS * grad_steps * models.MICRO_BATCH)
+  expected, _, _ = train(
+      models.with_gradient_transform(make_optimizer, _clip_pairs(True)),
+      data, model='embedding')
+  spied, received = _spy_on_handoff(make_optimizer)
+  trainer = MirroredTrainer(spied, grad_steps, model='embedding',
+                            clip_norm=CLIP_NORM)
+  with tf.compat.v1.Session(graph=trainer.graph) as session:
+    session.run(trainer.init_op)
+    actual = trainer.run(session, data)
+  # Each replica's apply, its table's component included.
+  assert [{name.split('/')[0]: kind for name, kind in kinds.items()}
+          for kinds in received] == [{'table': 'sparse',
+                                      'projection': 'dense'}] * 2
+  assert_same_training(actual, expected)
+
+
 def test_a_replica_s_skipped_micro_batch_adds_no_rows_to_the_shared_list():
   """nonfinite_policy='skip_micro_batch' under MirroredStrategy: a NaN
   target on one replica's part of one micro-step skips that part alone;
