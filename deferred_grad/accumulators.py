@@ -362,10 +362,20 @@ def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
     return row_lists.RowListAccumulator(slot, variable, dtype, replica)
   slot = create_slot(opt, variable, dtype, owner)
   if table:
-    return tables.SparseAccumulator(slot, num_partitions, in_xla)
+    return tables.SparseAccumulator(slot, num_partitions, in_xla,
+                                    _cycle_rows(gradient, owner))
   if num_partitions is None:
     return DenseAccumulator(slot)
   return ShardedAccumulator(slot, num_partitions)
+
+
+def _cycle_rows(gradient, owner):
+  """The most rows a cycle of `owner` (a train op's state) looks up with
+  `gradient`: micro-steps times ids, where both are known at graph build;
+  else None."""
+  ids = gradient.indices.shape.num_elements()
+  steps = owner.cycle.grad_steps if owner is not None else None
+  return ids * steps if ids and steps else None
 
 
 def create(opt, grads_and_vars, sparse, dtype=None, num_partitions=None,

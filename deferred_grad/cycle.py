@@ -139,6 +139,7 @@ class Schedule(object):
   """
 
   counts_global_step = False
+  grad_steps = None  # known at run time only
 
   def __init__(self, grad_steps, counters):
     self._grad_steps = grad_steps

@@ -14,7 +14,8 @@ table either:
 * `SparseAccumulator` (inside XLA, and `MultiWorkerMirroredStrategy`): a
   table-sized slot, as the original's; a queue on the host records which
   rows were touched. Under `MultiWorkerMirroredStrategy` it hands on as
-  many rows as the table has (`distribute.of_fixed_length`).
+  many rows on every apply step (`distribute.of_fixed_length`): as many as
+  a cycle looks up, or the table holds.
 
 Both have the interface of `accumulators`: `add`, `mark`, `read`, `reset`.
 """
@@ -70,13 +71,17 @@ class SparseAccumulator(object):
     slot: the accumulator variable.
     num_partitions: `xla_num_partitions`, for full reads.
     in_xla: built inside an XLA computation (no queue; a dense hand-off).
+    cycle_rows: the most rows a cycle looks up, where known at graph build
+      (else None): under `MultiWorkerMirroredStrategy` the rows handed on.
   """
 
   in_place = False  # see `accumulators.Accumulators`
   shared = False  # each replica its own (see `row_lists`)
 
-  def __init__(self, slot, num_partitions=None, in_xla=False):
+  def __init__(self, slot, num_partitions=None, in_xla=False,
+               cycle_rows=None):
     self.slot = slot
+    self._cycle_rows = cycle_rows
     self._num_partitions = num_partitions
     self._rows = None
     # The record of row ids, and the work on it, stay on the host: queues
@@ -144,10 +149,12 @@ class SparseAccumulator(object):
     gradient = tf.IndexedSlices(values, rows,
                                 dense_shape=compat.variable_shape(self.local))
     if distribute.in_multi_worker_mode(tf.distribute.get_strategy()):
-      # The workers' all-reduces gather slices of one length only: the
-      # table's rows (a cycle's rows touched are not known at graph build).
-      return distribute.of_fixed_length(
-          gradient, tf.cast(gradient.dense_shape[0], tf.int64))
+      # The workers' all-reduces gather slices of one length only: as many
+      # as a cycle looks up, or the table holds, whichever is fewer.
+      length = tf.cast(gradient.dense_shape[0], tf.int64)
+      if self._cycle_rows is not None:
+        length = tf.minimum(length, self._cycle_rows)
+      return distribute.of_fixed_length(gradient, length)
     return gradient
 
   def reset(self, after, gradient, shared_zeros=None):

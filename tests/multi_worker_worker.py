@@ -20,8 +20,10 @@ applied, SCHEDULE (cycles of 2, 3 and 4 micro-steps); 'schedule_disagree':
 worker k's grad_steps is tf.constant(2 + k) (a mistake: both must fail
 within the options' timeout, not train on); 'embedding': a raw Session
 training the embedding model (a table's sparse gradient; the workers touch
-different numbers of rows, and so do the cycles); 'embedding_clip': the
-same with clip_norm=CLIP_NORM. Each worker feeds
+different numbers of rows, and so do the cycles) with cycles of
+EMBEDDING_GRAD_STEPS micro-batches of a static size; 'embedding_clip': the
+same with clip_norm=CLIP_NORM, GRAD_STEPS, and micro-batches of a size
+known at run time only. Each worker feeds
 its half of every micro-batch and writes its final weights (and, with a raw
 Session, the executed collectives per micro-step) to OUTPUT.npz.
 """
@@ -48,6 +50,8 @@ BAD_STEP, BAD_TASK = 4, 1  # the second micro-step of the second cycle
 POLICIES = ('skip_micro_batch', 'skip_cycle')
 SCHEDULE_LENGTHS = (2, 3, 4)  # CYCLES * GRAD_STEPS micro-steps in all
 CLIP_NORM = 0.05  # 'embedding_clip': below the model's gradients' norms
+# 'embedding': a cycle looks up fewer rows than the table holds.
+EMBEDDING_GRAD_STEPS = 2
 
 
 def schedule(updates):
@@ -57,7 +61,7 @@ def schedule(updates):
 REPEATS = int(os.environ.get('DEFERRED_GRAD_SOAK_REPEATS', 1))
 
 
-def _micro_batches(task, model='mlp'):
+def _micro_batches(task, model='mlp', grad_steps=GRAD_STEPS):
   """This worker's half of every micro-batch: (x, y), one micro-batch per row.
 
   Worker `task` takes rows [task * MICRO_BATCH, (task + 1) * MICRO_BATCH) of
@@ -65,8 +69,8 @@ def _micro_batches(task, model='mlp'):
   examples are those of one large batch in single-process training.
   """
   x_data, y_data = models.MODELS[model][0](
-      models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
-  shape = (models.CYCLES * GRAD_STEPS, WORKERS, models.MICRO_BATCH, -1)
+      models.CYCLES, WORKERS * grad_steps * models.MICRO_BATCH)
+  shape = (models.CYCLES * grad_steps, WORKERS, models.MICRO_BATCH, -1)
   return (x_data.reshape(shape)[:, task], y_data.reshape(shape)[:, task])
 
 
@@ -133,16 +137,18 @@ def estimator_main(output):
 
 
 def _build(strategy, policy=None, grad_steps=GRAD_STEPS, model='mlp',
-           **wrapper_kwargs):
+           batch=None, **wrapper_kwargs):
   """The model and its train op, under `strategy.scope()` in a new graph.
+
+  `batch`: the micro-batches' size, or None: known at run time only.
 
   Returns:
     (global_step, x, y, {name: variable}, train_op, the wrapper).
   """
   global_step = tf.compat.v1.train.get_or_create_global_step()
   _, ((x_dtype, x_shape), (y_dtype, y_shape)), loss_fn = models.MODELS[model]
-  x = tf.compat.v1.placeholder(x_dtype, x_shape)
-  y = tf.compat.v1.placeholder(y_dtype, y_shape)
+  x = tf.compat.v1.placeholder(x_dtype, [batch] + x_shape[1:])
+  y = tf.compat.v1.placeholder(y_dtype, [batch] + y_shape[1:])
   optimizer = deferred_grad.GradientAggregationOptimizer(
       models.OPTIMIZERS['Momentum'](None), grad_steps,
       nonfinite_policy=policy, **wrapper_kwargs)
@@ -233,16 +239,20 @@ def main(output, mode, delay):
 def _train(strategy, server, config, task, mode, checkpoint_dir):
   """Trains once in `mode`; returns (final weights, collectives per step)."""
   model = 'embedding' if mode.startswith('embedding') else 'mlp'
-  x_data, y_data = _micro_batches(task, model)
+  grad_steps = {
+      'schedule': schedule,
+      'schedule_disagree': lambda _: tf.constant(2 + task, tf.int64),
+      'embedding': EMBEDDING_GRAD_STEPS,
+  }.get(mode, GRAD_STEPS)
+  x_data, y_data = _micro_batches(
+      task, model, EMBEDDING_GRAD_STEPS if mode == 'embedding' else GRAD_STEPS)
   policy = mode if mode in POLICIES else None
   if policy and task == BAD_TASK:
     y_data[BAD_STEP, 0, 0] = np.nan
   with tf.Graph().as_default(), strategy.scope():
     global_step, x, y, variables, train_op, optimizer = _build(
-        strategy, policy, {
-            'schedule': schedule,
-            'schedule_disagree': lambda _: tf.constant(2 + task, tf.int64),
-        }.get(mode, GRAD_STEPS), model,
+        strategy, policy, grad_steps, model,
+        models.MICRO_BATCH if mode == 'embedding' else None,
         **({'clip_norm': CLIP_NORM} if mode == 'embedding_clip' else {}))
     barrier = deferred_grad.collective_barrier(strategy)
     # The first barrier waits for a late worker; 'uneven' bounds the runs

@@ -203,9 +203,12 @@ def _clipped_by_dense_norm(grads_and_vars):
 def test_a_table_trains_like_one_large_batch_across_workers(tmp_path):
   """A table's sparse gradient (Momentum: a dense one would move untouched
   rows): each apply step all-reduces the cycle's rows, though the workers
-  touch different numbers of rows, and so do the cycles."""
+  touch different numbers of rows, and so do the cycles. Cycles of 2
+  micro-batches of a static size look up fewer rows than the table holds:
+  those are handed on."""
   data = models.make_embedding_data(
-      models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
+      models.CYCLES,
+      WORKERS * multi_worker_worker.EMBEDDING_GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(models.OPTIMIZERS['Momentum'], data,
                          model='embedding')
   for weights in _run_workers(tmp_path, 'embedding', [0, 0]):
