@@ -8,6 +8,8 @@ optimizer), interleaved rounds of one cycle each:
   bare      the bare optimizer's sparse step;
   gate      the bare step and a cycle's decision (a counter read and one
             If, deciding nothing): what any in-graph cycle pays per run;
+  least_list  whole cycles of the least an in-graph list of rows can do
+            (`_least_list`: a scatter at the counter's place, no checks);
   wrapper   whole cycles through the wrapper, per micro-step.
 
 Memory, and the wrapper's accumulate-only and apply steps apart, each
@@ -18,34 +20,39 @@ same gradient (tables up to 1M rows: at 10M it allocates a 2.5 GB dense
 gradient per micro-step).
 
 Results (TensorFlow 2.21, 2 cores, K = 8, 30 rounds; ms; RSS after training
-= peak), with a table's accumulator a list of the rows looked up, with room:
+= peak), with a table's accumulator a list of the rows looked up, with room
+(2026-12-02; `tools/benchmark --suites=sparse`, and
+`--sparse_optimizer=adagrad`):
 
-  SGD          side by side: cycle / bare     gate / bare  apply  original  RSS wrapper/bare MB
-  10,000       0.432 / 0.287 = 1.51x          1.06x        1.209  0.679     523 / 511
-  1,000,000    0.350 / 0.249 = 1.40x          0.93x        1.883  116.4     1006 / 993
-  10,000,000   0.504 / 0.361 = 1.39x          1.07x        1.642  not run   5401 / 5388
+  SGD          side by side: cycle / bare   gate   least list  apply  RSS wrapper/bare MB
+  10,000       0.412 / 0.283 = 1.46x        1.04x  1.26x       1.045  524 / 511
+  1,000,000    0.618 / 0.423 = 1.46x        0.95x  1.22x       1.545  1039 / 1011
+  10,000,000   0.482 / 0.324 = 1.49x        1.13x  1.28x       1.362  5658 / 5645
 
   Adagrad
-  10,000       0.428 / 0.409 = 1.05x          1.07x        2.197  0.725     530 / 518
-  1,000,000    0.474 / 0.439 = 1.08x          1.12x        2.751  113.6     1495 / 1482
-  10,000,000   0.331 / 0.296 = 1.12x          1.06x        2.053  not run   10284 / 10271
+  10,000       0.446 / 0.391 = 1.14x        1.08x  0.96x       2.124  528 / 517
+  1,000,000    0.410 / 0.355 = 1.16x        1.02x  0.94x       2.276  1528 / 1515
+  10,000,000   0.676 / 0.593 = 1.14x        0.97x  0.86x       2.110  10797 / 10784
+
+  (The day before, without the least list in the rounds: SGD 1.39x-1.51x,
+  Adagrad 1.05x-1.12x.)
 
 Memory: the wrapper's RSS after training is the bare optimizer's plus
-12-13 MB at every size (0.5% of a 10M-row table; the list holds at most K x 256
-rows and its room; before the lists it was one more table-sized variable:
-10,815 MB against 5,670).
+12-28 MB at every size (at most 0.5% of a 10M-row table; the list holds at
+most K x 256 rows and its room; before the lists it was one more
+table-sized variable: 10,815 MB against 5,670).
 
-Time: target 1.1x. Adagrad: 1.05x-1.12x, about what the gate alone costs
-(1.06x-1.12x; the bare step dedupes its 256 ids each step, the wrapper its
-cycle's once). SGD: 1.39x-1.51x, not met. The gate is 0.93x-1.07x, so the
-rest is the list: each micro-step packs its rows beside their ids and
-scatters them into the list (with its check of the list's layout, a
-restored dense accumulator, and room: one more If), and the apply step
-reads them back; SGD's own step is a gather and a scatter of 256 rows,
-cheaper than that bookkeeping. Before the list kept room (a concat of the
-whole list per micro-step) and while the apply step added up repeated ids
-itself: 1.6x-2.0x (SGD). This VM's timings vary by about 5% between runs
-of this suite.
+Time: target 1.1x. SGD: 1.46x-1.49x, not met, and not within reach of any
+list of rows kept in the graph: the least one (`_least_list`, a scatter at
+the counter's place and nothing else) costs 1.22x-1.28x itself. SGD's own
+step is a gather and a scatter of 256 rows, no more than the bookkeeping
+of keeping them. Adagrad: 1.14x-1.16x; its least list 0.86x-0.96x (the
+bare step dedupes and updates its 256 ids each step, a cycle's apply once
+for all 2048), so the wrapper's safety costs about 0.2 of an Adagrad step:
+the check of the list's layout (a restored dense accumulator), its room (a
+micro-batch of another size) and the header (skipped micro-batches,
+checkpoints mid-cycle), and one If. This VM's timings vary by 5-10%
+between runs of this suite.
 """
 
 import json
@@ -97,6 +104,8 @@ def _train_op(tf, variant, model, optimizer, grad_steps):
       is_end = tf.equal(global_step.read_value() % grad_steps, 0)
     return lazy_cond.cond(is_end, lambda: global_step.assign_add(0).op,
                           tf.no_op)
+  if variant == 'least_list':
+    return _least_list(tf, model, optimizer, grad_steps)
   if variant == 'wrapper':
     return deferred_grad.GradientAggregationOptimizer(
         optimizer, grad_steps=grad_steps).minimize(loss,
@@ -110,6 +119,40 @@ def _train_op(tf, variant, model, optimizer, grad_steps):
                             dense_shape=grad.dense_shape)
   accumulate = accumulator.assign(accumulator.read_value() + scaled)
   with tf.control_dependencies([accumulate]):
+    return global_step.assign_add(1)
+
+
+def _least_list(tf, model, optimizer, grad_steps):
+  """The least an in-graph list of rows can cost: each micro-step scatters
+  its rows beside their ids at the place the step counter gives, into a list
+  with room for one cycle; the cycle's last micro-step hands the list on.
+  The wrapper's list does that, and also what makes it safe: a check of the
+  list's layout and room (a restored checkpoint, a micro-batch of another
+  size), a header recording the rows listed (skipped micro-batches,
+  checkpoints mid-cycle)."""
+  from deferred_grad import lazy_cond  # pylint: disable=g-import-not-at-top
+  table, _, loss, global_step = model
+  (grad, _), = optimizer.compute_gradients(loss, [table])
+  listed = tf.compat.v1.get_variable(
+      'least_list', [grad_steps * IDS_PER_STEP, 2 + DIM], trainable=False,
+      initializer=tf.compat.v1.zeros_initializer())
+  place = tf.cast(global_step.read_value() % grad_steps, tf.int32)
+  ids = tf.reshape(tf.bitcast(tf.cast(grad.indices, tf.int64), tf.float32),
+                   [-1, 2])
+  written = tf.compat.v1.scatter_update(
+      listed, tf.range(IDS_PER_STEP) + place * IDS_PER_STEP,
+      tf.concat([ids, grad.values / grad_steps], 1))
+
+  def apply():
+    rows = listed.read_value()
+    return optimizer.apply_gradients([(tf.IndexedSlices(
+        rows[:, 2:], tf.bitcast(rows[:, :2], tf.int64),
+        tf.constant(table.shape.as_list(), tf.int64)), table)])
+
+  with tf.control_dependencies([written]):
+    applied = lazy_cond.cond(tf.equal(place, grad_steps - 1), apply,
+                             tf.no_op)
+  with tf.control_dependencies([applied]):
     return global_step.assign_add(1)
 
 
@@ -127,7 +170,7 @@ def _side_by_side(tf, rows, grad_steps):
     model = _model(tf, rows)
     optimizer = _optimizer(tf)
     ops = {variant: _train_op(tf, variant, model, optimizer, grad_steps)
-           for variant in ('bare', 'gate', 'wrapper')}
+           for variant in ('bare', 'gate', 'least_list', 'wrapper')}
     session = tf.compat.v1.Session(graph=graph)
     session.run(tf.compat.v1.global_variables_initializer())
   calls = iter(range(2**62))
@@ -216,6 +259,7 @@ def run():
                                  side_by_side['wrapper'] /
                                  side_by_side['bare']),
         '%.2fx' % (side_by_side['gate'] / side_by_side['bare']),
+        '%.2fx' % (side_by_side['least_list'] / side_by_side['bare']),
         '%.3f' % original['accumulate_ms'] if original else 'not run',
         '%.0f / %.0f' % (wrapper['rss_mb'], bare['rss_mb']),
         '%.0f / %.0f' % (wrapper['peak_rss_mb'], bare['peak_rss_mb']),
@@ -227,6 +271,7 @@ def run():
        'bare %s step (ms)' % FLAGS.sparse_optimizer,
        'side by side: cycle per micro-step / bare step (ms)',
        'bare step + a cycle\'s decision / bare step',
+       'least in-graph list / bare step',
        'original\'s dense accumulate (ms)',
        'RSS after training, wrapper / bare (MB)',
        'peak RSS, wrapper / bare (MB)'], rows_out)
