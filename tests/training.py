@@ -242,12 +242,6 @@ def listed_rows(value, row_shape):
       (-1,) + tuple(row_shape))
 
 
-def first_appearances(ids):
-  """`ids` without repeats, in the order they first appear."""
-  _, first = np.unique(np.asarray(ids).ravel(), return_index=True)
-  return list(np.asarray(ids).ravel()[np.sort(first)])
-
-
 def dense_accumulator(value, shape):
   """The original's table-sized accumulator holding the same partial sums."""
   ids, rows = listed_rows(value, shape[1:])
