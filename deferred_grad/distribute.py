@@ -194,6 +194,9 @@ def first_replica(distribution, value):
 def of_fixed_length(gradient, length):
   """`gradient`, an IndexedSlices of at most `length` rows, padded to them.
 
+  (More rows stay as they are: only a cycle that a session begun mid-way
+  drops can hold more, and its rows are never all-reduced.)
+
   Under `MultiWorkerMirroredStrategy` TensorFlow all-reduces an
   IndexedSlices by gathering every replica's; in a session the gather fails
   ("Shape mismatch in the collective instance") once its shape differs
