@@ -277,6 +277,27 @@ def test_clip_norm_under_mirrored_strategy_keeps_a_table_sparse(optimizer,
   assert_same_training(actual, expected)
 
 
+@pytest.mark.parametrize('kwargs', [
+    {'nonfinite_policy': 'skip_micro_batch'}, {'nonfinite_policy': 'skip_cycle'},
+    {'accumulator_dtype': tf.float64}, {'use_global_step': False}])
+def test_clip_norm_under_mirrored_strategy_with_other_keywords(kwargs):
+  """The shared list's clipped rows with a policy (nothing skipped), a
+  float64 accumulator, or the wrapper's own counter: the large batch's."""
+  kwargs = dict(kwargs)
+  use_global_step = kwargs.pop('use_global_step', True)
+  make_optimizer = models.OPTIMIZERS['Momentum']
+  data = _data(training.REPLICAS)
+  expected, _, _ = train(
+      models.with_gradient_transform(make_optimizer, _clip_pairs(True)),
+      data, model='embedding')
+  trainer = MirroredTrainer(make_optimizer, GRAD_STEPS, use_global_step,
+                            model='embedding', clip_norm=CLIP_NORM, **kwargs)
+  with tf.compat.v1.Session(graph=trainer.graph) as session:
+    session.run(trainer.init_op)
+    actual = trainer.run(session, data)
+  assert_same_training(actual, expected)
+
+
 def test_a_replica_s_skipped_micro_batch_adds_no_rows_to_the_shared_list():
   """nonfinite_policy='skip_micro_batch' under MirroredStrategy: a NaN
   target on one replica's part of one micro-step skips that part alone;
