@@ -354,16 +354,19 @@ def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
     shape = variable.shape
     return DenseAccumulator(local.variable(
         name, lambda: kernels.run_time_zeros(shape, dtype), dtype))
-  if columns is not None and not (in_xla or distribute.in_multi_worker_mode(
-      tf.distribute.get_strategy())):
+  # Workers all-reduce a table's rows by gathering slices of one length.
+  all_reduced = not in_xla and distribute.in_multi_worker_mode(
+      tf.distribute.get_strategy())
+  if columns is not None and not (in_xla or all_reduced):
     # Several replicas share one list, where the first one's table is.
     with distribute.one_variable(compat.host_device(variable.device)):
       slot = create_slot(opt, variable, dtype, owner, columns=columns)
     return row_lists.RowListAccumulator(slot, variable, dtype, replica)
   slot = create_slot(opt, variable, dtype, owner)
   if table:
-    return tables.SparseAccumulator(slot, num_partitions, in_xla,
-                                    _cycle_rows(gradient, owner))
+    return tables.SparseAccumulator(
+        slot, num_partitions, in_xla, all_reduced,
+        _cycle_rows(gradient, owner) if all_reduced else None)
   if num_partitions is None:
     return DenseAccumulator(slot)
   return ShardedAccumulator(slot, num_partitions)

@@ -71,16 +71,19 @@ class SparseAccumulator(object):
     slot: the accumulator variable.
     num_partitions: `xla_num_partitions`, for full reads.
     in_xla: built inside an XLA computation (no queue; a dense hand-off).
-    cycle_rows: the most rows a cycle looks up, where known at graph build
-      (else None): under `MultiWorkerMirroredStrategy` the rows handed on.
+    all_reduced: under `MultiWorkerMirroredStrategy`: hand on rows of one
+      length on every apply step, which the workers' gather needs.
+    cycle_rows: with `all_reduced`, the most rows a cycle looks up where
+      known at graph build (else None: as many as the table holds).
   """
 
   in_place = False  # see `accumulators.Accumulators`
   shared = False  # each replica its own (see `row_lists`)
 
   def __init__(self, slot, num_partitions=None, in_xla=False,
-               cycle_rows=None):
+               all_reduced=False, cycle_rows=None):
     self.slot = slot
+    self._all_reduced = all_reduced
     self._cycle_rows = cycle_rows
     self._num_partitions = num_partitions
     self._rows = None
@@ -148,7 +151,7 @@ class SparseAccumulator(object):
     values, rows = lazy_cond.cond(complete, from_record, from_scan)
     gradient = tf.IndexedSlices(values, rows,
                                 dense_shape=compat.variable_shape(self.local))
-    if distribute.in_multi_worker_mode(tf.distribute.get_strategy()):
+    if self._all_reduced:
       # The workers' all-reduces gather slices of one length only: as many
       # as a cycle looks up, or the table holds, whichever is fewer.
       length = tf.cast(gradient.dense_shape[0], tf.int64)
