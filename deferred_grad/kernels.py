@@ -20,6 +20,8 @@ from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
+import contextlib
+
 from deferred_grad import compat
 
 tf = compat.import_tensorflow()
@@ -98,7 +100,7 @@ def _cpu_device(variable):
   return None if _LOCAL_GPUS[0] else device
 
 
-def handles(variables):
+def handles(variables, name='accumulator_handles'):
   """Each variable's resource handle for the kernels here, in one op a device.
 
   A batched handle finds the variable by name in its device's resource
@@ -110,6 +112,7 @@ def handles(variables):
 
   Args:
     variables: resource or ref variables (a replica's components).
+    name: the batched ops' name.
 
   Returns:
     A list of handles (or None), in the order of `variables`.
@@ -130,7 +133,7 @@ def handles(variables):
     with tf.device(None), tf.device(device):
       op = graph.create_op(
           '_VarHandlesOp', [], [tf.resource] * len(batch),
-          name='accumulator_handles', attrs=_attrs(
+          name=name, attrs=_attrs(
               N=len(batch),
               containers=('s', [o.get_attr('container') for o in batch]),
               shared_names=('s', [o.get_attr('shared_name') for o in batch]),
@@ -141,6 +144,61 @@ def handles(variables):
     for index, handle in zip(indices, op.outputs):
       result[index] = handle
   return result
+
+
+@contextlib.contextmanager
+def handles_made_here(opt, var_list):
+  """In a v2 branch: `opt` updates `var_list` by handles made in the branch.
+
+  A branch function takes each outer tensor its ops read as an argument of
+  its `If`, passed on every run, branch taken or not (about 0.25 us each on
+  2 cores): the wrapped optimizer's update in the apply branch reads each
+  variable's and slot's handle, so every micro-step paid an argument for
+  each, and the apply step as many `_Arg` nodes. In this context the
+  branch reads the handles `handles` makes in it instead, one op per
+  device (where it batches them: variables known at graph build to be on
+  one CPU). TensorFlow has no API for it: the branch graph's `capture` is
+  overridden for the context's length. Nothing changes outside a control
+  flow v2 branch, and under a distribution strategy, whose replicas build
+  the branch in turns, each in its own thread, stopping in `merge_call`.
+
+  Args:
+    opt: the wrapped optimizer, whose slots (`get_slot`) are also read.
+    var_list: the variables it updates (ref variables are skipped).
+  """
+  graph = tf.compat.v1.get_default_graph()
+  capture = getattr(graph, 'capture', None)
+  if (not getattr(graph, 'is_control_flow_graph', False) or
+      capture is None or compat.in_xla_context() or
+      tf.distribute.has_strategy()):
+    yield
+    return
+  slots = (opt.get_slot(v, name) for name in opt.get_slot_names()
+           for v in var_list)
+  variables = list(var_list) + [slot for slot in slots if slot is not None]
+  made = {}  # id(the variable's own handle) -> the handle made here
+  batches = set()
+  for variable, handle in zip(variables,
+                              handles(variables, 'variable_handles')):
+    if handle is None or handle.op.type != '_VarHandlesOp':
+      continue
+    if handle.op not in batches:
+      # The first of each batch stays an argument: the If is placed with
+      # the resources it takes (see `lazy_cond`), and runs the branch on
+      # that device only, where the batch finds its variables.
+      batches.add(handle.op)
+    else:
+      made[id(variable.handle)] = handle
+
+  def capture_here(tensor, name=None, shape=None):
+    here = made.get(id(tensor))
+    return capture(tensor, name, shape) if here is None else here
+
+  graph.capture = capture_here
+  try:
+    yield
+  finally:
+    del graph.capture
 
 
 def read(variables, variable_handles):

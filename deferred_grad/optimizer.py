@@ -3,18 +3,17 @@
 The algorithm reads top to bottom from `apply_gradients`:
 
 1. `_micro_step`: check, weigh, add (the micro-step of each replica);
-2. `_end_micro_step`: one decision, a `tf.cond` on the cycle's end (the GPU
-   path decides after a `merge_call`, the TPU path in the replica), then
-   advance the cycle;
+2. `_end_micro_step`: one decision, a `tf.cond` on the cycle's end (GPU
+   path: after a `merge_call`; TPU path: in the replica), then advance;
 3. `_apply_step`: sum the cycle's counts over replicas once, decide;
 4. `_apply_and_reset`: on each replica, apply the cycle's gradient, reset.
 
 The mechanics are one call away, called with values and returning values:
-`accumulators` (the cycle's sums), `cycle` (where a micro-step is in its
-cycle, and the train op's state), `numerics` (which micro-batches count,
-by what factor) and `distribute` (where replicas meet). Made once per train
-op: `state` (its variables), beside `arguments` (checks), `checkpoints`
-(names) and `placement` (parameter-server workers).
+`accumulators` (the cycle's sums), `cycle` (a micro-step's place in its
+cycle; the train op's state), `numerics` (which micro-batches count, by
+what factor), `distribute` (where replicas meet), `kernels` (the variables'
+handles). Made once per train op: `state` (its variables); beside them
+`arguments` (checks), `checkpoints` (names), `placement` (parameter servers).
 """
 
 from __future__ import absolute_import
@@ -27,6 +26,7 @@ from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import cycle
 from deferred_grad import distribute
+from deferred_grad import kernels
 from deferred_grad import lazy_cond
 from deferred_grad import numerics
 from deferred_grad import placement
@@ -210,8 +210,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         grads_and_vars, global_step, name, replica_context, self._use_tpu,
         self._apply_crs_to_grad)
     var_list = [v for _, v in present]
-    # With grad_steps=1 each micro-step is a whole cycle: nothing
-    # accumulates, and the apply step takes the micro-step's gradients.
+    # grad_steps=1: each micro-step is a cycle, applying its own gradients.
     accumulates = not (isinstance(self._grad_steps, int) and
                        self._grad_steps == 1)
     # Where the wrapped optimizer's non-slot variables go, found before the
@@ -376,7 +375,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         gradients = numerics.clip_by_global_norm(gradients, self._clip_norm,
                                                  read.whole)
       gradients = numerics.cast_like(gradients, part.var_list)
-      done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
+      with kernels.handles_made_here(self._opt, part.var_list):
+        done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
     with tf.control_dependencies([done]):
       resets = part.state.reset_counts()
     return tf.group(part.accumulators.reset(done, read), *resets)

@@ -124,9 +124,10 @@ def test_apply_step_costs_few_ops_per_small_variable(optimizer, use_tpu):
   """On many small variables an apply step's cost is its op count.
 
   Over a micro-step that only accumulates, the apply step may run, per
-  variable: the wrapped optimizer's update, one zeroing op and the
-  branch's argument for the variable (the accumulators' handles and reads
-  are one op each, `kernels`), plus a few ops per step.
+  variable: the wrapped optimizer's update and one zeroing op (the
+  accumulators' handles and reads are one op each, and so are the
+  variables' and slots' handles in the apply branch: `kernels`), plus a
+  few ops per step.
   """
   variables = 40
   session, train_op, feed = _small_variables(GRAD_STEPS, optimizer, use_tpu,
@@ -136,8 +137,7 @@ def test_apply_step_costs_few_ops_per_small_variable(optimizer, use_tpu):
               for _ in range(2 * GRAD_STEPS)]
   micro_step, apply_step = counts[0], counts[GRAD_STEPS - 1]
   assert counts[GRAD_STEPS:] == counts[:GRAD_STEPS], counts
-  wrapped = 1 if optimizer == 'GradientDescent' else 2  # Momentum: + slot
-  limit = variables * (2 + wrapped) + 12
+  limit = variables * 2 + 12
   assert apply_step - micro_step <= limit, (
       'the apply step runs %d ops more than a micro-step on %d variables; '
       'at most %d expected' % (apply_step - micro_step, variables, limit))
@@ -157,6 +157,24 @@ def test_a_micro_step_runs_a_bare_steps_ops_plus_a_few(use_tpu):
   # apply branch's ops on every micro-step.
   limit = 20 if tf.compat.v1.control_flow_v2_enabled() else variables + 20
   assert counts[1] - counts[0] <= limit, counts
+
+
+@pytest.mark.parametrize('optimizer', ['GradientDescent', 'Momentum'])
+def test_the_apply_branch_takes_no_argument_per_variable(optimizer, use_tpu):
+  """The cycle's If passes its arguments on every micro-step, applying or
+  not: the wrapped optimizer's update reads the variables and its slots by
+  handles made in the branch (`kernels.handles_made_here`)."""
+  if not tf.compat.v1.control_flow_v2_enabled():
+    pytest.skip('control flow v1 has no If: a Switch per tensor read')
+  inputs = []
+  for variables in (4, 40):
+    session, _, _ = _small_variables(GRAD_STEPS, optimizer, use_tpu,
+                                     variables)
+    with session:
+      inputs.append([len(op.inputs) for op in session.graph.get_operations()
+                     if op.type == 'If'])
+  assert inputs[0] == inputs[1], inputs
+  assert len(inputs[0]) == 1 and inputs[0][0] <= 4, inputs
 
 
 def if_lowering(graph):

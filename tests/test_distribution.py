@@ -67,20 +67,29 @@ def test_each_replica_keeps_its_own_accumulator():
   assert not np.allclose(values[0], values[1])
 
 
-def test_variables_on_two_devices_match_large_batch(use_tpu):
-  """As with parameter servers: variables on several devices."""
+def _on_two_devices(op):
+  if op.type in ('VarHandleOp', 'VariableV2'):
+    return '/cpu:1' if op.name.startswith(('w2', 'b2')) else '/cpu:0'
+  return ''
 
-  def two_devices(op):
-    if op.type in ('VarHandleOp', 'VariableV2'):
-      return '/cpu:1' if op.name.startswith(('w2', 'b2')) else '/cpu:0'
-    return ''
 
+def _on_the_second_device(op):
+  return '/cpu:1' if op.type in ('VarHandleOp', 'VariableV2') else ''
+
+
+# Control flow v2 lowers the cycle's If where its resources span devices (an
+# unlowered If runs its branch on one device: that of the resources it takes).
+@pytest.mark.parametrize('placement,lowered', [
+    (_on_two_devices, True), (_on_the_second_device, False)])
+def test_variables_on_other_devices_match_large_batch(placement, lowered,
+                                                      use_tpu):
+  """As with parameter servers: variables on several devices, or on one
+  that is not the first, where the apply branch must find them."""
   make_optimizer = models.OPTIMIZERS['Momentum']
   data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
   expected, _, _ = train(make_optimizer, data)
   actual, _, graph = train(make_optimizer, data, grad_steps=GRAD_STEPS,
-                           use_tpu=use_tpu, device=two_devices)
+                           use_tpu=use_tpu, device=placement)
   assert_same_training(actual, expected)
   if tf.compat.v1.control_flow_v2_enabled():
-    # Lowered: an unlowered If would have to sit with both devices' resources.
-    assert if_lowering(graph) == [True]
+    assert if_lowering(graph) == [lowered]
