@@ -28,27 +28,38 @@ A second K=8 run the same day: MLP SGD cycle 0.986 (accumulate-only
 variables SGD 1.051 (1.030), Adam 0.702 (bare steps 15.8 and 8.6 ms: the
 VM ran faster that hour).
 
+With the apply branch's handles made in the branch (2026-12-02, later; the
+VM's bare steps 8-11 ms that day, and runs of one suite differing by up to
+8%): K=8, two runs: MLP SGD 1.013, 1.034; Adam 0.938, 0.970; 200 variables
+SGD 1.075, 1.065 (accumulate-only 1.076, 1.054); Adam 0.691, 0.713. K=4:
+MLP SGD 1.037, Adam 0.974; 200 variables SGD 1.157 (the same run's
+schedule cycle, the same graph but for its counters: 0.943 of it), Adam
+0.760. Side by side in one process, the cycle before and after that change
+(/tmp script: bare, before, after, 3 sessions each, interleaved): K=8 1.054
+-> 1.024 (Adam 0.746 -> 0.698); K=4, three runs: 1.049 -> 1.087, 1.125 ->
+1.100, 1.034 -> 1.026; timed by position in the cycle (K=4), the apply step
+10.04 -> 9.19 ms, the micro-steps within 0.1 ms.
+
 Targets, SGD: a whole cycle at most 1.05x K bare steps at K=8 and 1.08x at
-K=4. K=4 is met on both models (1.054, 1.067). K=8 sits at the target
-within the noise: the MLP 1.052, 0.986 and 1.042 (its accumulate-only
-step, memory-bound on 12 MB of accumulators the bare step does not touch,
-varies by 4% between runs), the 200-variable model 1.050, 1.060 and 1.051,
-whose
-accumulate-only micro-step (1.03-1.05x a bare step) bounds the cycle. Of
-that micro-step's extra, about 0.1 ms is the cycle's `If`: each of its
-arguments costs about 0.25 us per run taken or not (400 resource handles
-here, which the wrapped optimizer's ops in the apply branch capture;
-measured alone, 149 us for an `If` of 2 arguments, 249 us of 402). Making
-the handles inside the branch instead measured 1-2% of a cycle, but
-TensorFlow offers no hook for it short of patching its function-graph
-capture; not done. With Adam a cycle costs less than K bare Adam steps
-where Adam's own update is the larger part (Adam updates once per cycle).
+K=4. Met on the MLP; on the 200-variable model at the target or above it by
+the run-to-run noise (1.050-1.075 at K=8), bounded by its accumulate-only
+micro-step (1.03-1.08x a bare step: the accumulators' own memory traffic,
+their handles' lookup, about 80 us for 400, and the cycle's decision after
+the last add). The cycle's `If` took each variable's handle as an argument
+(the wrapped optimizer's ops captured them), about 0.25 us each per run
+taken or not, and the apply step ran an `_Arg` node for each; the branch
+now makes them itself (`kernels.handles_made_here`), and an `If` of 2
+arguments costs what no `If` costs (/tmp microbenchmark, 200 variables: a
+run 109 us without a cond, 108 us with it, 199 us with the handles taken
+as arguments). With Adam a cycle costs less than K bare Adam steps where
+Adam's own update is the larger part (Adam updates once per cycle).
 
 Counted instead of timed (executed nodes per run, traced, 200-variable SGD
-model): the accumulate-only micro-step runs 2,819 nodes against 2,809 for a
-bare step, the apply step 4,025 (3,222 and 5,225 before the accumulators'
-handles and reads were batched: `deferred_grad/kernels.py`; pinned by
-tests/test_costs.py). In one process, three sessions of each, the cycle of
+model): the accumulate-only micro-step runs 2,419 nodes against 2,409 for a
+bare step, the apply step 3,226 (3,625 with the branch taking the handles
+as arguments; 3,222 and 5,225 before the accumulators' handles and reads
+were batched, on the model's earlier graph: `deferred_grad/kernels.py`;
+pinned by tests/test_costs.py). In one process, three sessions of each, the cycle of
 the 200-variable model cost 1.059x-1.087x K=4 bare steps batched against
 1.103x-1.114x one handle per accumulator, and 1.052x against 1.073x at K=8.
 The levers: each dense gradient is added with one in-place kernel
@@ -57,9 +68,9 @@ handles and reads are one op per device; the cycle's tf.cond runs as a
 function where its variables share a device, so that micro-steps which do
 not apply push no "dead" tensors through the apply branch; the apply step
 zeroes each accumulator of up to 1 MiB with one assign of zeros shared by
-its shape. What remains per variable and cycle: the wrapped update, the
-zeroing assign and the apply branch's argument for the variable (the
-wrapped optimizer's ops capture its handle); and on every micro-step the
+its shape; the apply branch reads the variables and slots by handles it
+makes (one op per device). What remains per variable and cycle: the
+wrapped update and the zeroing assign; and on every micro-step the
 accumulator's own memory traffic.
 
 Not built: folding the cycle's last micro-batch into the read (the apply
