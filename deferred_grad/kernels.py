@@ -1,4 +1,4 @@
-"""The dense accumulators' in-place kernels: add, read and zero.
+"""The dense accumulators' in-place kernels (add, read, zero), and handles.
 
 Two costs shape them, each measured with `tools/benchmark`:
 
@@ -7,7 +7,9 @@ Two costs shape them, each measured with `tools/benchmark`:
   arithmetic. An add is one kernel (`add`); and on a CPU the accumulators'
   handles, and their reads on an apply step, are one op per device
   (`handles`, `read`: TensorFlow's `_VarHandlesOp` and `_ReadVariablesOp`,
-  which its TPU variable merger makes), not one per accumulator.
+  which its TPU variable merger makes), not one per accumulator; so are
+  the handles by which the apply branch updates the variables
+  (`handles_made_here`), not an argument of the cycle's `If` each.
 * Memory (`--suites=memory`). The accumulators are as large as the
   parameters, and so is any buffer made for their zeros. Zeros of a known
   shape are folded into a constant a session keeps for its life
