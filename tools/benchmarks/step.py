@@ -41,7 +41,8 @@ schedule cycle, the same graph but for its counters: 0.943 of it), Adam
 10.04 -> 9.19 ms, the micro-steps within 0.1 ms.
 
 Targets, SGD: a whole cycle at most 1.05x K bare steps at K=8 and 1.08x at
-K=4. Met on the MLP; on the 200-variable model at the target or above it by
+K=4. Met on the MLP on the AMD EPYC VM, not on the faster Intel one (below);
+on the 200-variable model at the target or above it by
 the run-to-run noise (1.050-1.075 at K=8), bounded by its accumulate-only
 micro-step (1.03-1.08x a bare step: the accumulators' own memory traffic,
 their handles' lookup, about 80 us for 400, and the cycle's decision after
@@ -82,6 +83,47 @@ us each on 2 cores; a Switch under control flow v1), K times per cycle to
 save one add, and the GPU path adds in each replica before its
 merge_call decides.
 
+What remains is the zeroing (2026-12-02, later). The apply step zeroes
+each accumulator with an `AssignVariableOp` of zeros shared by shape;
+TensorFlow 2.21's makes the variable alias them, and the next micro-step's
+add copies them into a buffer of its own. `--zeroing_bound` times a cycle
+never zeroed (wrong sums, timing only) beside the rest. In one process
+(/tmp script, bare and both variants, 3 sessions each, interleaved), the
+200-variable model: K=4 1.125x and 1.154x K bare steps zeroed, 1.064x and
+1.075x never zeroed; K=8 1.076x and 1.155x against 1.049x and 1.121x
+(one slow run). By position in a K=4 cycle
+(bare = 1): zeroed 1.165, 1.084, 1.039, 1.211; never zeroed 1.102, 1.017,
+1.007, 1.132 (the first micro-step copies, the apply step assigns). Every
+exact way TensorFlow's stock kernels offer costs as much or more: a scatter
+of one zero in place and `DisableCopyOnRead` (two ops a variable, no copy
+after; 1.092-1.121 against 1.101-1.107 in one process); an XLA-compiled
+zeroing of all 400 accumulators in one op (1,350 us, then 650 us for the
+next adds, against 633 and 780 us for the 400 assigns, /tmp
+microbenchmark); the assigns in a function of
+their own beside the wrapped update, run by a second thread (the two
+cores contend: no gain). One in-place kernel of arithmetic (acc -= acc, a
+momentum kernel decaying by 0) would do it in one op but is not exact: an
+inf or NaN in a cycle's sum (one a LossScaleOptimizer skips) would poison
+every later cycle. Zeroing on the next cycle's first micro-step would keep
+the last cycle's sums in checkpoints saved between cycles. Also tried and
+dropped, K=4, in one process (2 sessions each, twice): the counter read
+before the adds (1.103 and 1.122 against 1.116 and 1.133: within the
+noise), and the cycle's `If` inside a lowered cond, so that a micro-step
+not applying skips the function call (1.141 and 1.158: worse).
+
+The suite with `--zeroing_bound` the same day, on another VM (2-core Intel
+Xeon, 4 MiB L2 a core; the bare steps 6-7 ms, the MLP's 6.6 ms against 22
+ms on the AMD EPYC: fixed costs weigh more), `tools/benchmark
+--suites=step --grad_steps=4 --zeroing_bound`, then `--grad_steps=8`:
+
+  model, SGD       K  accumulate-only  cycle  never zeroed
+  3x1024 MLP       4  1.021            1.084  1.039
+  200 variables    4  1.025            1.099  1.065
+  3x1024 MLP       8  1.050            1.076  1.042
+  200 variables    8  1.072            1.101  1.044
+
+Adam: cycles 1.024 and 0.934 (MLP), 0.833 and 0.792 (200 variables).
+
 A `grad_steps` schedule (the suite's last two columns: a callable of the
 updates applied that gathers K from a table, as a batch-size schedule does)
 against the int's cycle, in earlier runs (2026-12-01, one session each):
@@ -108,12 +150,18 @@ effective batch B is about that of K steps of B/K: larger K trades time for
 memory only through the smaller micro-batch.
 """
 
+import contextlib
+
 from benchmarks import common
 
 FLAGS = common.FLAGS
 common.flags.DEFINE_integer(
     'sessions', 3, 'step: sessions of each variant, timed interleaved; '
     'the median of their medians is reported.')
+common.flags.DEFINE_boolean(
+    'zeroing_bound', False, "step: also time a cycle whose accumulators are "
+    "never zeroed (wrong sums; timing only): the cycle's cost without the "
+    'apply step zeroing each accumulator, for the SGD rows.')
 
 # name -> (description, loss builder taking (tf, batch), micro-batch)
 MODELS = {
@@ -135,14 +183,18 @@ def run():
       # buffers can sit worse in the caches than another's (two sessions of
       # one graph differed by up to 7% on the 200-variable model).
       sessions = {}
+      names = [('bare', None),
+               # So large that every step only accumulates.
+               ('accumulate', 10**9),
+               ('cycle', grad_steps), ('schedule', grad_steps)]
+      if FLAGS.zeroing_bound and optimizer == 'SGD':
+        names.append(('unzeroed', grad_steps))
       for instance in range(FLAGS.sessions):
-        for name, steps in (('bare', None),
-                            # So large that every step only accumulates.
-                            ('accumulate', 10**9),
-                            ('cycle', grad_steps), ('schedule', grad_steps)):
-          sessions[name, instance] = common.training_session(
-              tf, build_loss, micro_batch, optimizer, steps,
-              schedule=name == 'schedule')
+        for name, steps in names:
+          with _unzeroed(tf, name == 'unzeroed'):
+            sessions[name, instance] = common.training_session(
+                tf, build_loss, micro_batch, optimizer, steps,
+                schedule=name == 'schedule')
       variants = {key: (lambda s=s, op=op: s.run(op))
                   for key, (s, op, _) in sessions.items()}
       # Whole cycles in every round, for the 'cycle' variant: as many as
@@ -155,7 +207,7 @@ def run():
         session.close()
       times = {name: common.median([t for (n, _), t in per_session.items()
                                     if n == name])
-               for name in ('bare', 'accumulate', 'cycle', 'schedule')}
+               for name, _ in names}
       result = {
           'model': description, 'optimizer': optimizer,
           'micro_batch': micro_batch, 'grad_steps': grad_steps,
@@ -167,6 +219,8 @@ def run():
       result['accumulate_ratio'] = times['accumulate'] / times['bare']
       result['cycle_ratio'] = times['cycle'] / times['bare']
       result['schedule_ratio'] = times['schedule'] / times['cycle']
+      if 'unzeroed' in times:
+        result['unzeroed_cycle_ratio'] = times['unzeroed'] / times['bare']
       results.append(result)
       print('step: %s' % result, flush=True)
       rows.append([
@@ -183,4 +237,26 @@ def run():
        'ratio', 'cycle of %d (ms)' % grad_steps,
        '%d bare steps (ms)' % grad_steps, 'ratio',
        'schedule cycle (ms)', 'schedule / int'], rows)
+  bounds = ['%s, %s: cycle %.3f, never zeroed %.3f' % (
+      r['model'], r['optimizer'], r['cycle_ratio'], r['unzeroed_cycle_ratio'])
+            for r in results if 'unzeroed_cycle_ratio' in r]
+  if bounds:
+    table += ('\n\nWithout zeroing the accumulators (timing only), / %d bare '
+              'steps:\n\n' % grad_steps) + '\n'.join(
+                  '* ' + bound for bound in bounds)
   return {'step': results}, table
+
+
+@contextlib.contextmanager
+def _unzeroed(tf, unzeroed):
+  """Builds, if `unzeroed`, with each dense accumulator's zeroing a no-op."""
+  if not unzeroed:
+    yield
+    return
+  from deferred_grad import kernels  # pylint: disable=g-import-not-at-top
+  zero = kernels.zero
+  kernels.zero = lambda *unused_args, **unused_kwargs: tf.no_op()
+  try:
+    yield
+  finally:
+    kernels.zero = zero
