@@ -83,7 +83,9 @@ us each on 2 cores; a Switch under control flow v1), K times per cycle to
 save one add, and the GPU path adds in each replica before its
 merge_call decides.
 
-What remains is the zeroing (2026-12-02, later). The apply step zeroes
+What remains is the zeroing (2026-12-02, later, on another VM: a 2-core
+Intel Xeon, 4 MiB L2 a core; bare steps 6-7 ms, the MLP's 6.6 ms against
+22 ms on the AMD EPYC, so fixed costs weigh more). The apply step zeroes
 each accumulator with an `AssignVariableOp` of zeros shared by shape;
 TensorFlow 2.21's makes the variable alias them, and the next micro-step's
 add copies them into a buffer of its own. `--zeroing_bound` times a cycle
@@ -111,10 +113,8 @@ before the adds (1.103 and 1.122 against 1.116 and 1.133: within the
 noise), and the cycle's `If` inside a lowered cond, so that a micro-step
 not applying skips the function call (1.141 and 1.158: worse).
 
-The suite with `--zeroing_bound` the same day, on another VM (2-core Intel
-Xeon, 4 MiB L2 a core; the bare steps 6-7 ms, the MLP's 6.6 ms against 22
-ms on the AMD EPYC: fixed costs weigh more), `tools/benchmark
---suites=step --grad_steps=4 --zeroing_bound`, then `--grad_steps=8`:
+The suite on that Intel VM, `tools/benchmark --suites=step --grad_steps=4
+--zeroing_bound`, then `--grad_steps=8`:
 
   model, SGD       K  accumulate-only  cycle  never zeroed
   3x1024 MLP       4  1.021            1.084  1.039
