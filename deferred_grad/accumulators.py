@@ -67,19 +67,18 @@ def _slot_name(opt, variable, owner):
       return SLOT_NAME + suffix, SLOT_OP_NAME + suffix
 
 
-def create_slot(opt, variable, dtype, owner=None, columns=None):
+def create_slot(opt, variable, dtype, owner=None):
   """Creates (or finds) `variable`'s accumulator slot, owned by `opt`.
 
   The slot belongs to the wrapped optimizer, as in the original, so that it
-  is saved as `<variable name>/GradientAccumulator`.
+  is saved as `<variable name>/GradientAccumulator` (a partition's as its
+  slice of `<table>/GradientAccumulator`).
 
   Args:
     opt: the wrapped `tf.compat.v1.train.Optimizer`.
     variable: the variable whose gradient it accumulates.
     dtype: the accumulator's dtype, or None for the variable's.
     owner: the train op's state: each train op its own slot (`_slot_name`).
-    columns: None for a slot shaped like `variable`; else the width of a
-      list of rows (`row_lists.RowListAccumulator`), empty at first.
 
   Returns:
     The slot variable.
@@ -91,10 +90,7 @@ def create_slot(opt, variable, dtype, owner=None, columns=None):
   # pylint: disable=protected-access
   dtype = dtype or variable.dtype.base_dtype
   slot_name, op_name = _slot_name(opt, variable, owner)
-  if columns is not None:
-    slot = opt._get_or_make_slot(variable, row_lists.empty_list(columns, dtype),
-                                 slot_name, op_name)
-  elif variable.shape.is_fully_defined():
+  if variable.shape.is_fully_defined():
     slot = opt._get_or_make_slot_with_initializer(
         variable, kernels.run_time_zeros, variable.shape, dtype, slot_name,
         op_name)
@@ -108,6 +104,46 @@ def create_slot(opt, variable, dtype, owner=None, columns=None):
   checkpoints.add_to_state(slot)
   _OWNERS[tf.compat.v1.get_default_graph()][id(slot)] = owner
   return slot
+
+
+def list_of_rows(variable, columns, dtype, owner, device):
+  """`variable`'s list of rows for the train op `owner` (made once).
+
+  Not a slot of the wrapped optimizer: a slot of a partition inherits its
+  save-slice (a slice of the whole table's shape), which a list of rows
+  does not have. Each list is a variable of its own, saved as
+  `<variable name>/GradientAccumulator` (`table/part_0/GradientAccumulator`
+  for a partition; a second train op's `..._1`), whichever replica or
+  wrapper asks first making it with the dtype asked for.
+
+  Args:
+    variable: the table (or one partition of it).
+    columns: the list's width (`row_lists.list_columns`).
+    dtype: the accumulator's dtype.
+    owner: the train op's `cycle.TrainOpState`, which keeps it.
+    device: None (beside the variable), or the device of one variable that
+      the replicas share (`distribute.one_variable`).
+
+  Returns:
+    The variable, of no static shape.
+  """
+  key = id(variable)
+  if key not in owner.lists:
+    placed = (distribute.one_variable(device) if device is not None else
+              tf.compat.v1.colocate_with(variable))
+    with tf.compat.v1.name_scope(None), placed:
+      owner.lists[key] = tf.compat.v1.Variable(
+          lambda: row_lists.empty_list(columns, dtype), dtype=dtype,
+          name=variable.op.name + '/' + SLOT_OP_NAME, trainable=False,
+          validate_shape=False,
+          use_resource=not compat.is_ref_variable(variable))
+    checkpoints.add_to_state(owner.lists[key])
+  return owner.lists[key]
+
+
+def slot_name_of(accumulator):
+  """The slot name (`grad_accum`, `grad_accum_1`, ...) of an accumulator."""
+  return SLOT_NAME + accumulator.op.name.rsplit(SLOT_OP_NAME, 1)[-1]
 
 
 class DenseAccumulator(object):
@@ -359,9 +395,9 @@ def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
       tf.distribute.get_strategy())
   if columns is not None and not (in_xla or all_reduced):
     # Several replicas share one list, where the first one's table is.
-    with distribute.one_variable(compat.host_device(variable.device)):
-      slot = create_slot(opt, variable, dtype, owner, columns=columns)
-    return row_lists.RowListAccumulator(slot, variable, dtype, replica)
+    device = None if replica is None else compat.host_device(variable.device)
+    listed = list_of_rows(variable, columns, dtype, owner, device)
+    return row_lists.RowListAccumulator(listed, variable, dtype, replica)
   slot = create_slot(opt, variable, dtype, owner)
   if table:
     return tables.SparseAccumulator(

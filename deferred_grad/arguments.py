@@ -263,7 +263,10 @@ _WEIGHT_EXPECTED = ('micro_batch_weight must be a finite number >= 0 (e.g. '
 
 
 def weight_tensor(micro_batch_weight):
-  """This micro-step's weight as a float32 scalar, or None without weights.
+  """This micro-step's weight as a float64 scalar, or None without weights.
+
+  float64 holds every float weight and every integer count below 2**53
+  exactly: the gradients and the cycle's counts take it in their dtypes.
 
   A callable is called here: in `apply_gradients`, on each replica. A value
   known at graph build is checked here; others at run time, by
@@ -288,7 +291,7 @@ def weight_tensor(micro_batch_weight):
   value = tf.get_static_value(weight)
   if value is not None and not (np.isfinite(value) and value >= 0):
     raise ValueError('%s; got %s.' % (_WEIGHT_EXPECTED, value.item()))
-  return tf.cast(weight, tf.float32)
+  return tf.cast(weight, tf.float64)
 
 
 def check_weight_value(weight, nonfinite_policy):
@@ -302,7 +305,7 @@ def check_weight_value(weight, nonfinite_policy):
   computation (a TPU) compiles an Assert into nothing.
 
   Args:
-    weight: the micro-step's weight, a float32 scalar, or None.
+    weight: the micro-step's weight, a float64 scalar, or None.
     nonfinite_policy: the wrapper's keyword.
 
   Returns:

@@ -32,14 +32,41 @@ from deferred_grad import compat
 
 tf = compat.import_tensorflow()
 
-# A micro-step's place in its cycle, read before it is counted: `in_cycle`
-# (an int64 scalar, 0 on a cycle's first micro-step), `length` (the cycle's
-# grad_steps: an int, or an int64 scalar under a schedule), `is_end` (True,
-# or a boolean scalar: this micro-step applies), `updates` (the updates
-# applied before it: an int64 scalar, or None where only `global_step`
-# knows) and `step` (the value read of a `StepCycle`'s step, else None).
+# A micro-step's place in its cycle, read under the train op's lock before
+# the micro-step adds or counts anything: `in_cycle` (an int64 scalar, 0 on
+# a cycle's first micro-step), `length` (the cycle's grad_steps: an int, or
+# a checked int64 scalar under a schedule), `is_end` (True, or a boolean
+# scalar: this micro-step applies), `updates` (the updates applied before
+# it: an int64 scalar, or None where it cannot be known), `step` (the value
+# read of a `StepCycle`'s step, else None) and `checks` (ops failing a
+# micro-step whose schedule gave a bad length: every write waits for them).
 Position = collections.namedtuple(
-    'Position', ['in_cycle', 'length', 'is_end', 'updates', 'step'])
+    'Position',
+    ['in_cycle', 'length', 'is_end', 'updates', 'step', 'checks'])
+
+
+def acquire_lock():
+  """Takes a mutex of its own for the rest of a run; returns its lock.
+
+  Every op made under `tf.control_dependencies([lock])` runs while the run
+  holds it, so that runs of one train op from several threads of a session
+  (queue runners, Hogwild-style trainers) take turns: each micro-step reads
+  its place, adds, applies and counts as one. A run that fails releases
+  it. Made on the host CPU (mutexes have no other kernels), on the device's
+  task (a parameter-server worker: the worker's own).
+
+  Returns:
+    The lock, a variant tensor; hand it to `release_lock` once.
+  """
+  with tf.device('/device:CPU:0'):
+    mutex = tf.raw_ops.MutexV2(name='run_lock')
+    return tf.raw_ops.MutexLock(mutex=mutex)
+
+
+def release_lock(lock, after):
+  """The op releasing `lock` (from `acquire_lock`) once `after` has run."""
+  with tf.control_dependencies([after]), tf.device('/device:CPU:0'):
+    return tf.raw_ops.ConsumeMutexLock(mutex_lock=lock)
 
 
 def count_on(step):
@@ -59,13 +86,13 @@ class EveryMicroStep(object):
   def variables(self):
     return []
 
-  def divisor(self):
-    return 1
-
-  def read(self, after, check=None):
-    del after, check  # no counter to read, and never mid-cycle
+  def read(self, global_step=None):
+    """The `Position`: always a whole cycle's end."""
+    updates = None
+    if global_step is not None:  # every micro-step is an update
+      updates = tf.cast(global_step.read_value(), tf.int64)
     return Position(in_cycle=tf.constant(0, tf.int64), length=1,
-                    is_end=True, updates=None, step=None)
+                    is_end=True, updates=updates, step=None, checks=[])
 
   def advance(self, position):
     del position
@@ -91,25 +118,26 @@ class StepCycle(object):
   def variables(self):
     return [] if self.counts_global_step else [self.step]
 
-  def divisor(self):
-    return self.grad_steps
-
-  def read(self, after, check=None):
-    """The `Position` of this micro-step, read after the ops `after`.
+  def read(self, global_step=None):
+    """The `Position` of the next micro-step: its step read, no write.
 
     Args:
-      after: ops to run first (the micro-step's accumulation).
-      check: None, or `check(in_cycle, value)` returning `value` checked.
+      global_step: the `global_step` the train op counts, or None; where
+        the cycle is decided on its own counter, the updates applied are
+        taken as `global_step // grad_steps` (`applied_updates`).
     """
-    with tf.control_dependencies(after):
-      value = self.step.read_value()
-    if check is not None:
-      value = check(tf.math.floormod(value, self.grad_steps), value)
+    value = self.step.read_value()
     in_cycle = tf.math.floormod(value, self.grad_steps)
+    updates = None
+    if self.counts_global_step:
+      updates = tf.math.floordiv(tf.cast(value, tf.int64), self.grad_steps)
+    elif global_step is not None:
+      updates = tf.math.floordiv(
+          tf.cast(global_step.read_value(), tf.int64), self.grad_steps)
     return Position(
         in_cycle=tf.cast(in_cycle, tf.int64), length=self.grad_steps,
-        is_end=tf.equal(in_cycle, self.grad_steps - 1), updates=None,
-        step=value)
+        is_end=tf.equal(in_cycle, self.grad_steps - 1), updates=updates,
+        step=value, checks=[])
 
   def place(self):
     """The micro-steps of the cycle so far, read when run (int64)."""
@@ -152,47 +180,46 @@ class Schedule(object):
     """The micro-steps of the cycle so far, read when run (int64)."""
     return self.in_cycle.read_value()
 
-  def _next_length(self, updates):
-    """The schedule's value for the cycle after `updates` updates (int64)."""
+  def _next_length(self, updates, in_cycle):
+    """The schedule's value for the cycle after `updates` updates.
+
+    Returns:
+      (an int64 scalar, [ops that fail the micro-step where the value is not
+      a scalar, or is below 1 on a cycle's first micro-step]). Inside XLA,
+      which compiles an Assert into nothing, no check: a value below 1
+      counts as 1.
+    """
     if tf.is_tensor(self._grad_steps):
       value = self._grad_steps
     else:
       value = arguments.check_schedule_value(self._grad_steps(updates),
                                              'the callable')
-    return tf.cast(value, tf.int64)
+    value = tf.cast(value, tf.int64)
+    if compat.in_xla_context() or tf.get_static_value(value) is not None:
+      return tf.reshape(value, []), []
+    check = tf.debugging.Assert(
+        tf.logical_and(
+            tf.equal(tf.size(tf.shape(value)), 0),
+            tf.logical_or(tf.not_equal(in_cycle, 0),
+                          tf.reduce_all(value >= 1))),
+        ['GradientAggregationOptimizer: grad_steps (a schedule) must be at '
+         'least 1 at every cycle\'s first micro-step, and a scalar; after',
+         updates, 'updates it gave', value])
+    with tf.control_dependencies([check]):
+      return tf.reshape(value, []), [check]
 
-  def divisor(self):
-    """This cycle's length, read before the micro-step adds (int64).
-
-    On a cycle's first micro-step, the schedule's value, checked: a value
-    below 1 fails the micro-step before it adds anything (inside XLA,
-    which compiles an Assert into nothing, it counts as 1).
-    """
-    in_cycle, held, updates = (v.read_value() for v in self.variables())
-    value = self._next_length(updates)
-    if not compat.in_xla_context() and tf.get_static_value(value) is None:
-      check = tf.debugging.Assert(
-          tf.logical_or(tf.not_equal(in_cycle, 0), value >= 1), [
-              'GradientAggregationOptimizer: grad_steps (a schedule) must '
-              'be at least 1 at every cycle; after', updates, 'updates it '
-              'gave', value])
-      with tf.control_dependencies([check]):
-        value = tf.identity(value)
-    return tf.where(tf.equal(in_cycle, 0), tf.maximum(value, 1), held)
-
-  def read(self, after, check=None):
-    """The `Position` of this micro-step, read after the ops `after`."""
-    with tf.control_dependencies(after):
-      # Copied (stacked): under ref variables (v1 behaviour) a read may
-      # alias the variable's buffer, which `advance` then writes in place.
-      in_cycle, held, updates = tf.unstack(tf.stack(
-          [v.read_value() for v in self.variables()]))
-    if check is not None:
-      in_cycle = check(in_cycle, in_cycle)
-    length = tf.where(tf.equal(in_cycle, 0),
-                      tf.maximum(self._next_length(updates), 1), held)
+  def read(self, global_step=None):
+    """The `Position` of the next micro-step: its counters read, no write."""
+    del global_step  # the updates are counted here
+    # Copied (stacked): under ref variables (v1 behaviour) a read may
+    # alias the variable's buffer, which `advance` then writes in place.
+    in_cycle, held, updates = tf.unstack(tf.stack(
+        [v.read_value() for v in self.variables()]))
+    value, checks = self._next_length(updates, in_cycle)
+    length = tf.where(tf.equal(in_cycle, 0), tf.maximum(value, 1), held)
     return Position(in_cycle=in_cycle, length=length,
-                    is_end=in_cycle + 1 >= length, updates=updates, step=None)
+                    is_end=in_cycle + 1 >= length, updates=updates, step=None,
+                    checks=checks)
 
   def advance(self, position):
     """Counts the micro-step at `position`: writes all three counters."""
@@ -215,30 +242,52 @@ class TrainOpState(object):
       cycle (its counts are the micro-step's own).
     skipped: (micro-batches, cycles) int64 totals of what a
       `nonfinite_policy` skipped, or (None, None).
+    counts_dtype: the dtype of the counts (`numerics.counts_dtype`).
 
   Attributes:
-    position: the `Position` this train op's run reads before it counts
-      the micro-step (None until `read_position`).
+    position: the `Position` a run of this train op reads first (None
+      until `begin_run`): fetched alone it says what the next run will do.
+    lock: the lock a run holds (`acquire_lock`), or None.
   """
 
-  def __init__(self, cycle, global_step, counts, skipped):
+  def __init__(self, cycle, global_step, counts, skipped,
+               counts_dtype=tf.float32):
     self.cycle = cycle
     self.global_step = global_step
+    self.counts_dtype = counts_dtype
     self.counts = counts
     self.skipped_micro_batches, self.skipped_cycles = skipped
     self.position = None
+    self.lock = None
+    self.lists = {}  # id(table) -> its list of rows (`accumulators`)
 
-  def divisor(self):
-    """What this micro-step divides its gradients by (see the cycles)."""
-    return self.cycle.divisor()
+  def begin_run(self, locked, checks=()):
+    """Takes the run's lock (if `locked`) and reads the `Position`, once.
 
-  def read_position(self, after, check=None):
-    """Reads and keeps the micro-step's `Position`, after the ops `after`.
+    Under a multi-replica strategy the first replica to build the train op
+    makes them; the others share them.
 
-    `check`: None, or `distribute.MidCycleRestart.check`.
+    Args:
+      locked: whether runs of this train op take turns (`acquire_lock`).
+      checks: ops to run before the position is read (that the worker's
+        own counters are initialized, `placement.initialized_check`).
+
+    Returns:
+      (the lock or None, the `Position`).
     """
-    self.position = self.cycle.read(after, check)
-    return self.position
+    if self.position is None:
+      if locked:
+        self.lock = acquire_lock()
+      with tf.control_dependencies(([self.lock] if locked else []) +
+                                   list(checks)):
+        self.position = self.cycle.read(self.global_step)
+    return self.lock, self.position
+
+  def end_run(self, op):
+    """`op`, or the op that releases the run's lock once `op` has run."""
+    if self.lock is None:
+      return op
+    return release_lock(self.lock, op)
 
   def add_counts(self, increments):
     """Ops adding a micro-step's `numerics.increments` to the counts."""
@@ -271,43 +320,45 @@ class TrainOpState(object):
             zip((self.skipped_micro_batches, self.skipped_cycles), skipped)]
 
   def advance(self, position):
-    """Counts the micro-step at `position` in the cycle and `global_step`."""
-    advanced = self.cycle.advance(position)
+    """Counts the micro-step at `position` in the cycle and `global_step`.
+
+    After every value derived from the position's read: under ref variables
+    (v1 behaviour) a read may alias the buffer written here.
+    """
+    derived = [t for t in (position.in_cycle, position.is_end,
+                           position.updates) if tf.is_tensor(t)]
+    with tf.control_dependencies(derived):
+      advanced = self.cycle.advance(position)
     if self.global_step is None or self.cycle.counts_global_step:
       return advanced
     with tf.control_dependencies([advanced]):  # counted beside the cycle
       return count_on(self.global_step)
 
   def applies_update(self):
-    """True when this run ends a cycle (a boolean tensor)."""
+    """True when a run ends a cycle (a boolean tensor; see `Position`)."""
     return tf.convert_to_tensor(self.position.is_end)
 
   def micro_step_in_cycle(self):
-    """This run's place in its cycle, an int64 tensor."""
+    """A run's place in its cycle, an int64 tensor (see `Position`)."""
     return self.position.in_cycle
 
   def applied_updates(self):
-    """The updates this train op has applied before this run (int64).
+    """The updates this train op has applied before a run (int64).
 
     Raises:
       ValueError: an int `grad_steps` without a `global_step`.
     """
-    if self.position.updates is not None:
-      # Read with the position: a read of its own would race the count.
-      return self.position.updates
-    if self.global_step is None:
+    if self.position.updates is None:
       raise ValueError(
           'applied_updates(): with an int grad_steps the updates are counted '
           'by the global_step only, and this train op was built without one. '
           'Pass global_step to minimize (or apply_gradients), or give '
           'grad_steps as a schedule (a tensor or a callable), whose train op '
           'counts its updates itself.')
-    return tf.math.floordiv(
-        tf.cast(self.global_step.read_value(), tf.int64),
-        self.cycle.grad_steps)
+    return self.position.updates
 
   def variables(self):
-    own = self.cycle.variables()
+    own = self.cycle.variables() + list(self.lists.values())
     own += [self.counts[name] for name in sorted(self.counts or {})]
     return own + [v for v in (self.skipped_micro_batches, self.skipped_cycles)
                   if v is not None]

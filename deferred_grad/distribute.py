@@ -234,7 +234,8 @@ def summed_counts(names, distribution, counts_fn, part, over_tpu_cores,
   Args:
     names: the counts' names, in the order `counts_fn` gives them.
     distribution: the strategy (in its cross-replica context), or None.
-    counts_fn: returns a replica's counts (float32 scalars) from its `part`.
+    counts_fn: returns a replica's counts (float scalars of one dtype) from
+      its `part`.
     part: what each replica built (PerReplica under a strategy).
     over_tpu_cores: also sum over TPU cores (`apply_crs_to_grad`).
     length: under a schedule, the cycle's length. Where the replicas span
@@ -250,10 +251,16 @@ def summed_counts(names, distribution, counts_fn, part, over_tpu_cores,
   if distribution is None:
     counts = counts_fn(part)
   else:
-    extra = [tf.cast(length, tf.float32)] if agree else []
+    def replica_counts(p):
+      counts = counts_fn(p)
+      if agree:
+        dtype = counts[0].dtype if counts else tf.float32
+        counts = counts + [tf.cast(length, dtype)]
+      return tf.stack(counts)
+
     # One all-reduce: the scalars travel as one vector.
     per_replica = distribution.extended.call_for_each_replica(
-        lambda p: tf.stack(counts_fn(p) + extra), args=(part,))
+        replica_counts, args=(part,))
     counts = tf.unstack(distribution.reduce(
         tf.distribute.ReduceOp.SUM, per_replica, axis=None))
   checks = [check_agreed(counts.pop(), replicas, length)] if agree else []
@@ -268,12 +275,12 @@ def check_agreed(total, replicas, length):
   """An op failing unless every replica's cycle has this `length`.
 
   Args:
-    total: the sum over replicas of each one's length (float32).
+    total: the sum over replicas of each one's length (a float scalar).
     replicas: the number of replicas.
     length: this worker's length (int64).
   """
   return tf.debugging.Assert(
-      tf.equal(total, replicas * tf.cast(length, tf.float32)),
+      tf.equal(total, replicas * tf.cast(length, total.dtype)),
       ['GradientAggregationOptimizer: the workers of this '
        'MultiWorkerMirroredStrategy disagree on the cycle\'s length: '
        'grad_steps (a schedule) gave', length, 'here, but the sum over the',
@@ -345,33 +352,32 @@ class MidCycleRestart(object):
     self._dropped = tf.queue.FIFOQueue(1, [tf.bool], shapes=[[]],
                                        name='cycle_dropped')
 
-  def check(self, in_cycle, step_value):
-    """`step_value`, after marking a session's first micro-step mid-cycle.
+  def check(self, position):
+    """An op marking a session's first micro-step if it is mid-cycle.
 
     Args:
-      in_cycle: the micro-step's place in its cycle (0 on its first).
-      step_value: the value read of the cycle's step, returned.
+      position: the micro-step's `cycle.Position`.
     """
+    in_cycle = position.in_cycle
     first = tf.equal(self._started.size(), 0)
     mid_cycle = tf.logical_and(first, tf.not_equal(in_cycle, 0))
 
     def mark():
-      warn = tf.print(
+      step = [] if position.step is None else ['(step', position.step, ')']
+      warn = tf.print(*[
           'WARNING: GradientAggregationOptimizer: this session started '
-          'mid-cycle, at micro-step', in_cycle, 'of its cycle (step',
-          step_value, ') under MultiWorkerMirroredStrategy, as after '
+          'mid-cycle, at micro-step', in_cycle, 'of its cycle'] + step + [
+          'under MultiWorkerMirroredStrategy, as after '
           'restoring a checkpoint written mid-cycle, which holds only the '
           'saving worker\'s part of the cycle. Every worker drops this '
-          'cycle (its apply step only resets) and trains on from the next.')
+          'cycle (its apply step only resets) and trains on from the next.'])
       with tf.control_dependencies([warn]):
         return self._dropped.enqueue(True)
 
     marked = tf.cond(mid_cycle, mark, tf.no_op)
     with tf.control_dependencies([marked]):
       # Fills the queue on the session's first run only (0 or 1 elements).
-      started = self._started.enqueue_many([tf.boolean_mask([True], [first])])
-    with tf.control_dependencies([started]):
-      return tf.identity(step_value)
+      return self._started.enqueue_many([tf.boolean_mask([True], [first])])
 
   def keeps_cycle(self, after=()):
     """On an apply step: False if the cycle is dropped (and unmarks it).

@@ -25,7 +25,8 @@ tf = compat.import_tensorflow()
 
 NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
 AGGREGATIONS = ('mean', 'sum')
-# The counts a cycle keeps per replica (float32), by their variables' names.
+# The counts a cycle keeps per replica (`counts_dtype`), by their variables'
+# names.
 GOOD, NONFINITE, WEIGHT = ('good_micro_batches', 'nonfinite_micro_batches',
                            'micro_batch_weights')
 
@@ -84,26 +85,43 @@ def weigh(gradients, weight):
           for g in gradients]
 
 
-def increments(policy, finite, weight):
-  """What one micro-step adds to its replica's counts (float32 scalars).
+def increments(policy, finite, weight, dtype):
+  """What one micro-step adds to its replica's counts (scalars of `dtype`).
 
   Args:
     policy: the `Policy`.
     finite: None, or a boolean scalar: the micro-batch is finite.
-    weight: None, or the micro-step's weight (float32).
+    weight: None, or the micro-step's weight (float64).
+    dtype: the counts' dtype (`counts_dtype`).
 
   Returns:
     A list in the order of `policy.counts`.
   """
   added = []
   if policy.nonfinite_policy:
-    good = tf.cast(finite, tf.float32)
-    added += [good, 1.0 - good]
+    good = tf.cast(finite, dtype)
+    added += [good, 1 - good]
   if policy.weighted:
     # A skipped micro-batch adds no weight (where: a NaN weight stays out).
+    weight = tf.cast(weight, dtype)
     added.append(weight if finite is None else
                  tf.where(finite, weight, tf.zeros_like(weight)))
   return added
+
+
+def counts_dtype(variables, accumulator_dtype):
+  """The dtype a train op keeps its cycle's counts in.
+
+  That of its widest accumulator, at least float32: a weight sum of
+  fractional weights (0.3 tokens) in float32 would cost a float64 model
+  precision the accumulators keep.
+
+  Args:
+    variables: the variables that receive gradients.
+    accumulator_dtype: the wrapper's `accumulator_dtype`, or None.
+  """
+  dtypes = [accumulator_dtype or v.dtype.base_dtype for v in variables]
+  return max(dtypes + [tf.float32], key=lambda dtype: dtype.size)
 
 
 def should_apply(policy, totals):
@@ -114,7 +132,7 @@ def should_apply(policy, totals):
     totals: {name: the count summed over replicas}.
   """
   decisions = []
-  # Rounded: after a restore the counts are sums of float32 shares.
+  # Rounded: after a restore the counts are sums of equal shares.
   if policy.nonfinite_policy == 'skip_micro_batch':
     decisions.append(tf.round(totals[GOOD]) > 0)
   elif policy.nonfinite_policy == 'skip_cycle':
@@ -136,7 +154,7 @@ def scale(policy, totals, replicas, length):
   Args:
     policy: the `Policy`.
     totals: {name: the count summed over replicas}.
-    replicas: the number of replicas (a number or a float32 scalar).
+    replicas: the number of replicas (a number or a float scalar).
     length: the cycle's length (`cycle.Position.length`).
 
   Returns:

@@ -228,7 +228,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
             local is not None)
         state = state_lib.train_op_state(
             replica_context, self._grad_steps, accumulates, self._policy,
-            own_counter, global_step, local)
+            own_counter, global_step, local,
+            numerics.counts_dtype(var_list, self._accumulator_dtype))
         if accumulates:  # each train op its own (`create_slot`)
           accumulators = accumulators_lib.create(
               self._opt, present, sparse, self._accumulator_dtype,
@@ -237,13 +238,22 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
           accumulators = accumulators_lib.PassThrough(sparse)
       if not any(state is own for own in self._states):
         self._states.append(state)
-      weight = arguments.weight_tensor(self._micro_batch_weight)
-      checks = (placement.initialized_check(local, state.variables()) +
-                arguments.check_weight_value(weight,
-                                             self._policy.nonfinite_policy))
-      micro_step, part = self._micro_step(
-          state, var_list, accumulators, [g for g, _ in present], weight,
-          checks)
+      # Runs of one train op from several threads of a session take turns
+      # (`cycle.acquire_lock`). Not inside XLA (no mutex compiles), nor where
+      # replicas span workers (their collectives already run in lockstep),
+      # nor with grad_steps=1, which keeps nothing between runs.
+      locked = accumulates and not in_xla and not (
+          distribute.in_multi_worker_mode(tf.distribute.get_strategy()))
+      initialized = placement.initialized_check(local, state.variables())
+      lock, position = state.begin_run(locked, initialized)
+      with tf.control_dependencies([lock] if lock is not None else []):
+        weight = arguments.weight_tensor(self._micro_batch_weight)
+        checks = (initialized + position.checks +
+                  arguments.check_weight_value(weight,
+                                               self._policy.nonfinite_policy))
+        micro_step, part = self._micro_step(
+            state, position, var_list, accumulators, [g for g, _ in present],
+            weight, checks)
       if self._use_tpu:
         checkpoints.create_wrapped_slots(self._opt, var_list,
                                          wrapped_vars_scope)
@@ -255,24 +265,28 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   # -------------------------------------------------------- the algorithm --
 
-  def _micro_step(self, state, var_list, accumulators, gradients, weight,
-                  checks):
+  def _micro_step(self, state, position, var_list, accumulators, gradients,
+                  weight, checks):
     """1. This replica's micro-step: check, weigh, add.
 
-    `checks` run before anything is added. Returns (its op, its
-    `ReplicaPart`: what the apply step needs of this replica)."""
+    `checks` run before anything is added or counted: a micro-step that
+    fails one changes nothing. Returns (its op, its `ReplicaPart`: what
+    the apply step needs of this replica)."""
     policy = self._policy
     finite = None
     if policy.nonfinite_policy:
       checked = gradients + ([weight] if weight is not None else [])
       finite = numerics.all_finite(checked)
     gradients = numerics.weigh(gradients, weight)
-    increments = numerics.increments(policy, finite, weight)
-    divisor = numerics.Divisor(state.divisor())
+    increments = numerics.increments(policy, finite, weight,
+                                     state.counts_dtype)
+    divisor = numerics.Divisor(position.length)
     add = lambda: accumulators.add(gradients, divisor)
     with tf.control_dependencies(checks):
-      added = add() if finite is None else lazy_cond.cond(finite, add,
-                                                          tf.no_op)
+      if finite is None:
+        added = add()
+      else:  # the predicate waits too: a cond's branches wait for it
+        added = lazy_cond.cond(tf.identity(finite), add, tf.no_op)
     with tf.control_dependencies([added]):
       counted = state.add_counts(increments)
     # Every micro-step is marked, skipped or not (see SparseAccumulator).
@@ -309,17 +323,18 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         micro_steps = list(micro_steps) + first.accumulators.append_shared([
             p.shared_rows for p in
             distribution.experimental_local_results(part)])
+    position = state.position  # read first, under the run's lock
     # Under a multi-worker strategy, a session begun mid-cycle drops it.
     restart = distribute.mid_cycle_restart()
-    position = state.read_position(micro_steps, restart and restart.check)
-    with tf.control_dependencies(micro_steps):
+    marks = [restart.check(position)] if restart is not None else []
+    with tf.control_dependencies(list(micro_steps) + marks):
       applied = lazy_cond.cond(
           position.is_end,
           lambda: self._apply_step(distribution, part, position, restart),
           tf.no_op)
     # After the decision: the cycle's read precedes its write.
     with tf.control_dependencies([applied]):
-      return state.advance(position)
+      return state.end_run(state.advance(position))
 
   def _apply_step(self, distribution, part, position, restart):
     """3. Sum the counts over replicas, decide, apply and reset on each.
@@ -383,8 +398,22 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   # ------------------------------------------------ the wrapped optimizer --
 
-  def get_slot(self, *args, **kwargs):  # the wrapped optimizer owns them
-    return self._opt.get_slot(*args, **kwargs)
+  def get_slot(self, var, name):
+    """The slot `name` of `var`: the wrapped optimizer's, or an accumulator.
+
+    Args:
+      var: a variable passed to `apply_gradients`.
+      name: a slot name: the wrapped optimizer's, or `grad_accum` (a second
+        train op's accumulator of `var`: `grad_accum_1`, ...).
+
+    Returns:
+      The slot variable, or None.
+    """
+    for state in self._states:  # a table's list of rows (`accumulators`)
+      listed = state.lists.get(id(var))
+      if listed is not None and accumulators_lib.slot_name_of(listed) == name:
+        return listed
+    return self._opt.get_slot(var, name)
 
   def get_slot_names(self, *args, **kwargs):  # with grad_accum
     return self._opt.get_slot_names(*args, **kwargs)

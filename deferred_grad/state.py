@@ -36,7 +36,7 @@ _TRAIN_OPS = weakref.WeakKeyDictionary()
 
 
 def create(grad_steps, accumulates, policy, own_counter, global_step=None,
-           local=None):
+           local=None, counts_dtype=tf.float32):
   """Creates a train op's state variables. Call under `tf.init_scope()`.
 
   Args:
@@ -48,6 +48,7 @@ def create(grad_steps, accumulates, policy, own_counter, global_step=None,
     own_counter: an int cycle counts in `update_count`, not `global_step`.
     global_step: the global step the train op counts, or None.
     local: None (global variables), or a `placement.WorkerLocal`.
+    counts_dtype: the dtype of the cycle's counts (`numerics.counts_dtype`).
 
   Returns:
     A `cycle.TrainOpState`.
@@ -67,11 +68,11 @@ def create(grad_steps, accumulates, policy, own_counter, global_step=None,
                     for name in ('skipped_micro_batches', 'skipped_cycles'))
   if not accumulates:
     return cycle.TrainOpState(cycle.EveryMicroStep(), global_step, None,
-                              skipped)
+                              skipped, counts_dtype)
   counts = {}
   with distribute.summed_on_save():  # see there: saved as their sum
     for name in policy.counts:
-      counts[name] = own_variable(name, tf.float32, local=local)
+      counts[name] = own_variable(name, counts_dtype, local=local)
   if not fixed:
     train_op_cycle = cycle.Schedule(grad_steps, [
         own_counter_variable(name, tf.int64, local)
@@ -88,7 +89,8 @@ def create(grad_steps, accumulates, policy, own_counter, global_step=None,
                                 policy.weighted, policy.nonfinite_policy,
                                 numerics.NONFINITE_POLICIES,
                                 train_op_cycle.place())
-  return cycle.TrainOpState(train_op_cycle, global_step, counts, skipped)
+  return cycle.TrainOpState(train_op_cycle, global_step, counts, skipped,
+                            counts_dtype)
 
 
 def train_op_state(replica_context, *args):

@@ -108,16 +108,19 @@ def unknown_shape_variable(value):
                                name='v')
 
 
-def model_loss(x, y, with_unused=False):
+def model_loss(x, y, with_unused=False, dtype=tf.float32):
   """A small tanh MLP with a mean squared error; returns (loss, variables).
 
   Args:
     x, y: input and target tensors.
     with_unused: also create a trainable variable the loss ignores (its
       gradient is None).
+    dtype: the variables' dtype (the inputs are cast to it).
   """
+  x, y = tf.cast(x, dtype), tf.cast(y, dtype)
   variables = {
-      name: tf.compat.v1.get_variable(name, initializer=value)
+      name: tf.compat.v1.get_variable(
+          name, initializer=value.astype(dtype.as_numpy_dtype), dtype=dtype)
       for name, value in sorted(_INITIAL.items())
   }
   if with_unused:
@@ -153,12 +156,11 @@ def make_embedding_data(cycles, batch, seed=0):
 
 def _table_initializer(shape, dtype=tf.float32, partition_info=None):
   """The fixed table, or the rows of it that one partition holds."""
-  del dtype
   offset = partition_info.single_offset(shape) if partition_info else 0
-  return tf.constant(_TABLE[offset:offset + shape[0]])
+  return tf.constant(_TABLE[offset:offset + shape[0]], dtype)
 
 
-def embedding_loss(ids, y, partitions=None):
+def embedding_loss(ids, y, partitions=None, dtype=tf.float32):
   """Mean of looked-up rows, projected; returns (loss, variables).
 
   The table's gradient is a `tf.IndexedSlices`, the projection's is dense.
@@ -166,16 +168,21 @@ def embedding_loss(ids, y, partitions=None):
   Args:
     ids: int32 [batch, IDS_PER_EXAMPLE]; y: float32 [batch, OUTPUT_DIM].
     partitions: split the table into this many variables.
+    dtype: the variables' dtype (the targets are cast to it).
   """
+  y = tf.cast(y, dtype)
   table = tf.compat.v1.get_variable(
-      'table', [TABLE_ROWS, EMBEDDING_DIM],
+      'table', [TABLE_ROWS, EMBEDDING_DIM], dtype=dtype,
       initializer=_table_initializer,
       partitioner=(tf.compat.v1.fixed_size_partitioner(partitions)
                    if partitions else None))
-  projection = tf.compat.v1.get_variable('projection', initializer=_PROJECTION)
+  projection = tf.compat.v1.get_variable(
+      'projection', initializer=_PROJECTION.astype(dtype.as_numpy_dtype),
+      dtype=dtype)
   looked_up = tf.nn.embedding_lookup(table, ids)
   prediction = tf.matmul(tf.reduce_mean(looked_up, axis=1), projection)
-  tables = list(table) if partitions else [table]
+  # (MirroredStrategy ignores partitioners: one variable there.)
+  tables = [table] if isinstance(table, tf.Variable) else list(table)
   variables = {v.name.rsplit(':', 1)[0]: v for v in tables + [projection]}
   return tf.reduce_mean(tf.square(prediction - y)), variables
 

@@ -99,12 +99,14 @@ def test_weights_with_a_policy_and_clipping(grad_steps, use_tpu):
   np.testing.assert_allclose(applied, expected, rtol=1e-6)
 
 
-def _float64_cycles(gradients, weights, replicas, use_tpu, **wrapper_kwargs):
+def _float64_cycles(gradients, weights, replicas, use_tpu,
+                    weight_dtype=tf.float32, momentum=None, **wrapper_kwargs):
   """What SGD(1) through the wrapper applies, in float64, per cycle.
 
   gradients: [cycles, grad_steps, replicas, 2]; weights: the same without
-  the last axis, or None. Replica r's loss is sum(w * g) / replicas, as
-  under any strategy, so its gradient is g / replicas.
+  the last axis, or None, fed in `weight_dtype`. Replica r's loss is
+  sum(w * g) / replicas, as under any strategy, so its gradient is
+  g / replicas. With `momentum`, Momentum(1, momentum) in place of SGD.
   """
   cycles, grad_steps = gradients.shape[:2]
   strategy = (tf.distribute.MirroredStrategy(
@@ -113,7 +115,7 @@ def _float64_cycles(gradients, weights, replicas, use_tpu, **wrapper_kwargs):
   with tf.Graph().as_default(), strategy.scope():
     w = tf.compat.v1.get_variable('w', initializer=np.zeros(2, np.float64))
     feed = tf.compat.v1.placeholder(tf.float64, [replicas, 2])
-    weight_feed = tf.compat.v1.placeholder(tf.float32, [replicas])
+    weight_feed = tf.compat.v1.placeholder(weight_dtype, [replicas])
 
     def replica_id():
       return tf.distribute.get_replica_context().replica_id_in_sync_group
@@ -121,9 +123,11 @@ def _float64_cycles(gradients, weights, replicas, use_tpu, **wrapper_kwargs):
     if weights is not None:
       wrapper_kwargs['micro_batch_weight'] = (
           lambda: tf.gather(weight_feed, replica_id()))
+    wrapped = (tf.compat.v1.train.GradientDescentOptimizer(1.0)
+               if momentum is None else
+               tf.compat.v1.train.MomentumOptimizer(1.0, momentum))
     optimizer = deferred_grad.GradientAggregationOptimizer(
-        tf.compat.v1.train.GradientDescentOptimizer(1.0), grad_steps,
-        use_tpu=use_tpu, **wrapper_kwargs)
+        wrapped, grad_steps, use_tpu=use_tpu, **wrapper_kwargs)
 
     def replica_step():
       loss = tf.reduce_sum(w * tf.gather(feed, replica_id())) / replicas
@@ -165,6 +169,25 @@ def test_float64_weighted_cycles_are_the_token_mean(use_tpu, replicas):
     n = weights[cycle].astype(np.float64)[..., None]
     expected = (n * gradients[cycle]).sum((0, 1)) / n.sum()
     np.testing.assert_allclose(applied[cycle], expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize('momentum', [None, 0.5], ids=['SGD', 'Momentum'])
+@pytest.mark.parametrize('use_tpu, replicas', PATHS_AND_REPLICAS)
+def test_float64_fractional_weights_are_the_weighted_mean(use_tpu, replicas,
+                                                          momentum):
+  """Weights from 0.3 to 3.0, fed in float64: the cycle's weight sum is
+  kept in the accumulator's dtype, so float64 holds to 1e-12."""
+  rng = np.random.RandomState(2)
+  gradients = rng.randn(3, 3, replicas, 2)
+  weights = rng.uniform(0.3, 3.0, size=(3, 3, replicas))
+  applied = _float64_cycles(gradients, weights, replicas, use_tpu,
+                            weight_dtype=tf.float64, momentum=momentum)
+  velocity = np.zeros(2)
+  for cycle in range(3):
+    n = weights[cycle][..., None]
+    mean = (n * gradients[cycle]).sum((0, 1)) / n.sum()
+    velocity = (momentum or 0.0) * velocity + mean
+    np.testing.assert_allclose(applied[cycle], velocity, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize('use_tpu, replicas, bad', [

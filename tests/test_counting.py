@@ -140,3 +140,51 @@ def test_summary_written_only_on_apply_steps(use_tpu, tmp_path):
            for event in tf.compat.v1.train.summary_iterator(str(path))
            if event.summary.value]
   assert steps == [GRAD_STEPS, 2 * GRAD_STEPS]
+
+
+def _probed_model(kind, use_tpu):
+  """A model whose inputs are placeholders; `kind` names its schedule."""
+  graph = tf.Graph()
+  with graph.as_default():
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    x = tf.compat.v1.placeholder(tf.float32, [2])
+    weight = tf.compat.v1.placeholder(tf.float32, [])
+    w = tf.compat.v1.get_variable('w', initializer=np.zeros(2, np.float32))
+    table = tf.compat.v1.get_variable('table', initializer=np.zeros(
+        [4, 2], np.float32))
+    loss = tf.reduce_sum(w * x) + tf.reduce_sum(
+        tf.nn.embedding_lookup(table, [1, 2]) * x)
+    grad_steps = {'int': GRAD_STEPS,
+                  'tensor': tf.constant(GRAD_STEPS, tf.int64),
+                  'callable': lambda updates: GRAD_STEPS}[kind]
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), grad_steps,
+        use_tpu=use_tpu, nonfinite_policy='skip_micro_batch',
+        micro_batch_weight=weight)
+    train_op = optimizer.minimize(loss, global_step=global_step)
+    counters = [optimizer.applies_update(), optimizer.micro_step_in_cycle(),
+                optimizer.applied_updates()]
+  return graph, train_op, counters, {x: [1.0, 2.0], weight: 2.0}
+
+
+@pytest.mark.parametrize('kind', ['int', 'tensor', 'callable'])
+def test_counters_fetched_alone_need_no_feed_and_change_nothing(kind,
+                                                                use_tpu):
+  """Fetched alone they say what the next run of the train op will do,
+  which is what that run says when they are fetched with it."""
+  graph, train_op, counters, feed = _probed_model(kind, use_tpu)
+  with graph.as_default(), tf.compat.v1.Session() as session:
+    session.run(tf.compat.v1.global_variables_initializer())
+    state = tf.compat.v1.global_variables()
+    for step in range(2 * GRAD_STEPS + 1):
+      before = session.run(state)
+      probed = [session.run(counters) for _ in range(3)]  # no feed
+      for value, was in zip(session.run(state), before):
+        np.testing.assert_array_equal(value, was)
+      assert all(p == probed[0] for p in probed)
+      applies, place, updates = probed[0]
+      assert applies == (step % GRAD_STEPS == GRAD_STEPS - 1)
+      assert place == step % GRAD_STEPS
+      assert updates == step // GRAD_STEPS
+      fetched = session.run([train_op] + counters, feed)[1:]
+      assert fetched == probed[0]

@@ -440,3 +440,58 @@ def test_sync_replicas_optimizer_is_refused_at_graph_build():
                                                      replicas_to_aggregate=2)
     with pytest.raises(ValueError, match='wrapped by a SyncReplicasOptimizer'):
       outer.minimize(tf.reduce_sum(w * w), global_step=global_step)
+
+
+def _scheduled_linear(grad_steps, use_tpu, **kwargs):
+  """SGD on w . x, grad_steps a schedule tensor; returns the pieces."""
+  global_step = tf.compat.v1.train.get_or_create_global_step()
+  x = tf.compat.v1.placeholder(tf.float32, [2])
+  w = tf.compat.v1.get_variable('w', initializer=np.zeros(2, np.float32))
+  train_op = deferred_grad.GradientAggregationOptimizer(
+      _sgd(), grad_steps, use_tpu=use_tpu, **kwargs).minimize(
+          tf.reduce_sum(w * x), global_step=global_step)
+  return train_op, x
+
+
+@pytest.mark.parametrize('fed', [[3, 3], [[2]], []])
+def test_a_schedule_fed_a_non_scalar_fails_naming_grad_steps(fed, use_tpu):
+  """A placeholder of unknown shape: the micro-step fails, nothing moves."""
+  with tf.Graph().as_default():
+    grad_steps = tf.compat.v1.placeholder(tf.int64, None)
+    train_op, x = _scheduled_linear(grad_steps, use_tpu)
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(train_op, {grad_steps: 2, x: [1.0, 1.0]})
+      before = session.run(tf.compat.v1.global_variables())
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match=r'grad_steps \(a schedule\).*a scalar'):
+        session.run(train_op, {grad_steps: np.array(fed, np.int64),
+                               x: [1.0, 1.0]})
+      after = session.run(tf.compat.v1.global_variables())
+  for value, was in zip(after, before):
+    np.testing.assert_array_equal(value, was)
+
+
+@pytest.mark.parametrize('policy', ['skip_micro_batch', 'skip_cycle'])
+def test_a_schedule_of_zero_fails_before_a_skipped_micro_batch_counts(
+    policy, use_tpu):
+  """A variable grad_steps set to 0 before the first micro-step, on a
+  micro-batch the policy skips: global_step, the cycle's counters and the
+  skip counters stay where they were."""
+  with tf.Graph().as_default():
+    grad_steps = tf.compat.v1.Variable(3, dtype=tf.int64, name='grad_steps')
+    train_op, x = _scheduled_linear(grad_steps, use_tpu,
+                                    nonfinite_policy=policy)
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(grad_steps.assign(0))
+      before = {v.op.name: session.run(v)
+                for v in tf.compat.v1.global_variables()}
+      assert {'cycle_length', 'applied_updates', 'skipped_cycles',
+              'skipped_micro_batches', 'global_step'} <= set(before)
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match=r'grad_steps \(a schedule\) must be at least 1'):
+        session.run(train_op, {x: [np.nan, 1.0]})
+      for v in tf.compat.v1.global_variables():
+        np.testing.assert_array_equal(session.run(v), before[v.op.name],
+                                      err_msg=v.op.name)

@@ -104,11 +104,18 @@ class MirroredTrainer(Trainer):
   Each micro-batch is split between the replicas; each replica's loss is its
   mean divided by the replica count, so that the optimizer's all-reduce (a
   sum) gives the mean over the whole micro-batch.
+
+  With `wrapper_per_replica`, each replica builds its own wrapper (and
+  wrapped optimizer) inside the replica function, as an Estimator
+  `model_fn` under `train_distribute` does; its weight is a tensor of that
+  replica's inputs. `optimizer` is then the first replica's. `schedule`
+  'tensor' or 'callable' gives the wrapper `grad_steps` as such a schedule
+  of the same constant value.
   """
 
   def __init__(self, make_optimizer, grad_steps, use_global_step=True,
                model='mlp', model_kwargs=None, weight_fn=None,
-               **wrapper_kwargs):
+               wrapper_per_replica=False, schedule=None, **wrapper_kwargs):
     # pylint: disable=super-init-not-called
     self.micro_steps = grad_steps
     self.graph = tf.Graph()
@@ -123,19 +130,33 @@ class MirroredTrainer(Trainer):
             tf.compat.v1.placeholder(dtype, [REPLICAS] + shape)
             for dtype, shape in input_specs
         ]
-        if weight_fn is not None:
+        if weight_fn is not None and not wrapper_per_replica:
           # Called on each replica: the weight of that replica's inputs.
           wrapper_kwargs['micro_batch_weight'] = lambda: weight_fn(
               *self._replica_inputs())
-        self.optimizer = deferred_grad.GradientAggregationOptimizer(
-            make_optimizer(None), grad_steps, **wrapper_kwargs)
+        wrapper_grad_steps = grad_steps
+        if schedule == 'tensor':
+          wrapper_grad_steps = tf.constant(grad_steps, tf.int64)
+        elif schedule == 'callable':
+          wrapper_grad_steps = lambda updates: tf.constant(grad_steps,
+                                                           tf.int64)
+        make_wrapper = lambda: deferred_grad.GradientAggregationOptimizer(
+            make_optimizer(None), wrapper_grad_steps, **wrapper_kwargs)
+        self.optimizer = None if wrapper_per_replica else make_wrapper()
         self.variables = {}
 
         def replica_step():
           loss, variables = loss_fn(*self._replica_inputs(),
                                     **(model_kwargs or {}))
           self.variables.update(variables)
-          return self.optimizer.minimize(
+          optimizer = self.optimizer
+          if wrapper_per_replica:
+            if weight_fn is not None:
+              wrapper_kwargs['micro_batch_weight'] = weight_fn(
+                  *self._replica_inputs())
+            optimizer = make_wrapper()
+            self.optimizer = self.optimizer or optimizer
+          return optimizer.minimize(
               loss / REPLICAS,
               global_step=self.global_step if use_global_step else None)
 
