@@ -1,9 +1,15 @@
 """What the benchmark suites share: flags, timing, tables, models, children."""
 
+import glob
+import importlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 
 from absl import flags
@@ -17,8 +23,59 @@ flags.DEFINE_enum('tf_behavior', 'v2', ['v2', 'v1'],
                   '(resource variables), v1 disable_v2_behavior() (ref '
                   'variables); children get the same.')
 
+flags.DEFINE_string(
+    'baseline', None, 'A git ref of this repository (a commit, a branch): '
+    'its deferred_grad is timed side by side with the working tree in the '
+    'same processes (suites step, memory, sparse), as variants named '
+    '"baseline".')
+flags.DEFINE_string('baseline_dir', None,
+                    'Internal: where --baseline was unpacked (children).')
+
 ENTRY_POINT = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), 'benchmark.py')
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(ENTRY_POINT)))
+BASELINE_PACKAGE = 'deferred_grad_baseline'
+
+
+def _unpack_baseline(ref):
+  """Unpacks `ref`'s deferred_grad as the package `deferred_grad_baseline`.
+
+  Under another name, so that one process imports both it and the working
+  tree's `deferred_grad`; its own imports of itself are renamed to match.
+
+  Returns:
+    The directory to put on sys.path.
+  """
+  archive = subprocess.run(
+      ['git', '-C', REPOSITORY, 'archive', ref, 'deferred_grad'],
+      check=True, stdout=subprocess.PIPE).stdout
+  target = tempfile.mkdtemp(prefix='deferred_grad_baseline_')
+  with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+    tar.extractall(target)
+  package = os.path.join(target, BASELINE_PACKAGE)
+  os.rename(os.path.join(target, 'deferred_grad'), package)
+  for path in glob.glob(os.path.join(package, '*.py')):
+    with open(path) as f:
+      text = f.read()
+    text = re.sub(r'\b(from|import) deferred_grad\b',
+                  r'\1 ' + BASELINE_PACKAGE, text)
+    with open(path, 'w') as f:
+      f.write(text)
+  return target
+
+
+def deferred_grad_modules():
+  """{variant prefix: deferred_grad module}: '' the working tree's, and
+  'baseline' --baseline's where given."""
+  import deferred_grad  # pylint: disable=g-import-not-at-top
+  modules = {'': deferred_grad}
+  if FLAGS.baseline or FLAGS.baseline_dir:
+    if not FLAGS.baseline_dir:
+      FLAGS.baseline_dir = _unpack_baseline(FLAGS.baseline)
+    if FLAGS.baseline_dir not in sys.path:
+      sys.path.insert(0, FLAGS.baseline_dir)
+    modules['baseline'] = importlib.import_module(BASELINE_PACKAGE)
+  return modules
 
 
 def import_tf():
@@ -76,8 +133,10 @@ def markdown(header, rows):
 
 def child_command(suite, spec, *extra_flags):
   """The command line that runs `suite`'s `child(spec)` in a new process."""
+  baseline = ['--baseline_dir=' + FLAGS.baseline_dir] if (
+      FLAGS.baseline_dir) else []
   return [sys.executable, ENTRY_POINT, '--child=%s:%s' % (suite, spec),
-          '--tf_behavior=' + FLAGS.tf_behavior] + list(extra_flags)
+          '--tf_behavior=' + FLAGS.tf_behavior] + baseline + list(extra_flags)
 
 
 def run_child(suite, spec, *extra_flags, timeout=None):
@@ -140,17 +199,18 @@ OPTIMIZERS = {
 
 
 def training_session(tf, build_loss, batch, optimizer, grad_steps,
-                     schedule=False):
+                     schedule=False, module=None):
   """A session and its train op; grad_steps None means the bare optimizer.
 
   With `schedule`, grad_steps is given as a schedule: a callable of the
   updates applied that gathers it from a table (always grad_steps), as a
-  batch-size schedule does.
+  batch-size schedule does. `module`: the deferred_grad to wrap with
+  (default: the working tree's; see `deferred_grad_modules`).
 
   Returns:
     (session, train op, parameter count).
   """
-  import deferred_grad  # pylint: disable=g-import-not-at-top
+  deferred_grad = module or deferred_grad_modules()['']
   graph = tf.Graph()
   with graph.as_default():
     loss, parameters = build_loss(tf, batch)

@@ -79,9 +79,13 @@ def child(spec):
   """Runs one configuration 'model,optimizer,batch,grad_steps|none[,limit]'.
 
   With a limit (MiB), the first GPU gets that much memory (a logical device
-  configuration), and running out of it is reported, not raised.
+  configuration), and running out of it is reported, not raised. A last
+  field 'baseline' wraps with --baseline's deferred_grad.
   """
   fields = spec.split(',')
+  module = None
+  if fields[-1] == 'baseline':
+    module = common.deferred_grad_modules()[fields.pop()]
   model, optimizer, batch, grad_steps = fields[:4]
   limit_mb = int(fields[4]) if len(fields) == 5 else None
   grad_steps = None if grad_steps == 'none' else int(grad_steps)
@@ -93,7 +97,7 @@ def child(spec):
   _, build_loss, _ = MODELS[model]
   try:
     session, train_op, parameters = common.training_session(
-        tf, build_loss, int(batch), optimizer, grad_steps)
+        tf, build_loss, int(batch), optimizer, grad_steps, module=module)
     for _ in range(grad_steps or 1):  # a cycle of warm-up
       session.run(train_op)
     # A traced cycle: TensorFlow's own allocator peaks, beside the process
@@ -153,15 +157,18 @@ def _gpu_memory_info_peak_mb(tf):
     return None
 
 
-def measure(model, optimizer, batch, grad_steps, repeats=3):
+def measure(model, optimizer, batch, grad_steps, repeats=3, baseline=False):
   """Least peaks over `repeats` fresh processes.
 
   Peaks vary from process to process with the order in which the executor
   runs independent ops (on 2 cores, by up to 0.8x the parameter bytes on
-  the MLP); the least is the configuration's own cost.
+  the MLP); the least is the configuration's own cost. `baseline`: wrap
+  with --baseline's deferred_grad.
   """
-  peaks = [common.run_child('memory', '%s,%s,%d,%s' % (
-      model, optimizer, batch, grad_steps or 'none')) for _ in range(repeats)]
+  spec = '%s,%s,%d,%s' % (model, optimizer, batch, grad_steps or 'none')
+  if baseline:
+    spec += ',baseline'
+  peaks = [common.run_child('memory', spec) for _ in range(repeats)]
   least = {key: _least(p[key] for p in peaks) for key in peaks[0]
            if not isinstance(peaks[0][key], dict)}
   least['allocator_peaks_mb'] = {
@@ -190,8 +197,10 @@ def _text(value, form):
 
 def run():
   grad_steps = FLAGS.grad_steps
+  baseline = 'baseline' in common.deferred_grad_modules()
   results = []
   rows = []
+  baseline_rows = []
   for model, (description, _, batch) in MODELS.items():
     optimizer = 'SGD'
     micro_batch = batch // grad_steps
@@ -221,6 +230,16 @@ def run():
         result['bare_micro_batch_allocator_mb'] is None else
         result['wrapper_allocator_mb'] -
         result['bare_micro_batch_allocator_mb'], parameter_mb)
+    if baseline:  # --baseline's wrapper, measured the same way
+      before = measure(model, optimizer, micro_batch, grad_steps,
+                       baseline=True)
+      result['baseline_wrapper_mb'] = before['peak_rss_mb']
+      result['baseline_extra_parameter_bytes'] = (
+          before['peak_rss_mb'] - result['bare_micro_batch_mb']) / parameter_mb
+      baseline_rows.append([description, '%.0f' % result['wrapper_mb'],
+                            '%.0f' % before['peak_rss_mb'],
+                            '%.2fx' % result['extra_parameter_bytes'],
+                            '%.2fx' % result['baseline_extra_parameter_bytes']])
     results.append(result)
     print('memory: %s' % result, flush=True)
     rows.append([description, '%.1f' % parameter_mb] + [
@@ -239,4 +258,10 @@ def run():
        'one batch of B: RSS / TF (MB)', 'bare, batch B/K: RSS / TF (MB)',
        'wrapper, K x B/K: RSS / TF (MB)', 'wrapper / one batch: RSS / TF',
        'wrapper - bare B/K, in parameter bytes: RSS / TF'], rows)
+  if baseline_rows:
+    table += ('\n\nAgainst --baseline=%s (peak RSS, MB; the wrapper\'s '
+              'extra over a bare micro-batch step in parameter bytes):\n\n'
+              % FLAGS.baseline) + common.markdown(
+                  ['model', 'this tree', 'baseline', 'extra, this tree',
+                   'extra, baseline'], baseline_rows)
   return {'memory': results}, table

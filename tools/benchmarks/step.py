@@ -174,6 +174,7 @@ MODELS = {
 
 def run():
   tf = common.import_tf()
+  modules = common.deferred_grad_modules()
   grad_steps = FLAGS.grad_steps
   results = []
   rows = []
@@ -189,12 +190,15 @@ def run():
                ('cycle', grad_steps), ('schedule', grad_steps)]
       if FLAGS.zeroing_bound and optimizer == 'SGD':
         names.append(('unzeroed', grad_steps))
+      if 'baseline' in modules:  # --baseline: the same, with that commit's
+        names += [('baseline ' + name, steps) for name, steps in names[1:4]]
       for instance in range(FLAGS.sessions):
         for name, steps in names:
-          with _unzeroed(tf, name == 'unzeroed'):
+          module = modules['baseline' if name.startswith('baseline') else '']
+          with _unzeroed(module, tf, name == 'unzeroed'):
             sessions[name, instance] = common.training_session(
                 tf, build_loss, micro_batch, optimizer, steps,
-                schedule=name == 'schedule')
+                schedule=name.endswith('schedule'), module=module)
       variants = {key: (lambda s=s, op=op: s.run(op))
                   for key, (s, op, _) in sessions.items()}
       # Whole cycles in every round, for the 'cycle' variant: as many as
@@ -221,6 +225,13 @@ def run():
       result['schedule_ratio'] = times['schedule'] / times['cycle']
       if 'unzeroed' in times:
         result['unzeroed_cycle_ratio'] = times['unzeroed'] / times['bare']
+      if 'baseline cycle' in times:
+        for name in ('accumulate', 'cycle', 'schedule'):
+          result['baseline_%s_ms' % name] = (
+              times['baseline ' + name] * 1e3 *
+              (1 if name == 'accumulate' else grad_steps))
+          result['%s_over_baseline' % name] = (
+              times[name] / times['baseline ' + name])
       results.append(result)
       print('step: %s' % result, flush=True)
       rows.append([
@@ -237,6 +248,15 @@ def run():
        'ratio', 'cycle of %d (ms)' % grad_steps,
        '%d bare steps (ms)' % grad_steps, 'ratio',
        'schedule cycle (ms)', 'schedule / int'], rows)
+  if 'baseline' in modules:
+    table += ('\n\nAgainst --baseline=%s, side by side (this tree / '
+              'that commit):\n\n' % FLAGS.baseline) + common.markdown(
+                  ['model', 'optimizer', 'accumulate-only', 'cycle of %d'
+                   % grad_steps, 'schedule cycle'],
+                  [[r['model'], r['optimizer']] +
+                   ['%.3f' % r['%s_over_baseline' % name]
+                    for name in ('accumulate', 'cycle', 'schedule')]
+                   for r in results])
   bounds = ['%s, %s: cycle %.3f, never zeroed %.3f' % (
       r['model'], r['optimizer'], r['cycle_ratio'], r['unzeroed_cycle_ratio'])
             for r in results if 'unzeroed_cycle_ratio' in r]
@@ -248,12 +268,12 @@ def run():
 
 
 @contextlib.contextmanager
-def _unzeroed(tf, unzeroed):
+def _unzeroed(module, tf, unzeroed):
   """Builds, if `unzeroed`, with each dense accumulator's zeroing a no-op."""
   if not unzeroed:
     yield
     return
-  from deferred_grad import kernels  # pylint: disable=g-import-not-at-top
+  kernels = module.kernels
   zero = kernels.zero
   kernels.zero = lambda *unused_args, **unused_kwargs: tf.no_op()
   try:
