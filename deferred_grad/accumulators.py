@@ -106,7 +106,7 @@ def create_slot(opt, variable, dtype, owner=None):
   return slot
 
 
-def list_of_rows(variable, columns, dtype, owner, device):
+def list_of_rows(opt, variable, columns, dtype, owner, device):
   """`variable`'s list of rows for the train op `owner` (made once).
 
   Not a slot of the wrapped optimizer: a slot of a partition inherits its
@@ -117,6 +117,8 @@ def list_of_rows(variable, columns, dtype, owner, device):
   wrapper asks first making it with the dtype asked for.
 
   Args:
+    opt: the wrapped optimizer: an object-based checkpoint's restore hands
+      it the list's value, as the slot `grad_accum` (`get_slot`).
     variable: the table (or one partition of it).
     columns: the list's width (`row_lists.list_columns`).
     dtype: the accumulator's dtype.
@@ -137,7 +139,14 @@ def list_of_rows(variable, columns, dtype, owner, device):
           name=variable.op.name + '/' + SLOT_OP_NAME, trainable=False,
           validate_shape=False,
           use_resource=not compat.is_ref_variable(variable))
-    checkpoints.add_to_state(owner.lists[key])
+    listed = owner.lists[key]
+    checkpoints.add_to_state(listed)
+    compat.restore_slot_variable(opt, slot_name_of(listed), variable, listed)
+    spec = checkpoints.slice_spec(variable)
+    if spec:  # a partition: the original kept slices of one accumulator
+      checkpoints.add_source(
+          listed, checkpoints.save_name(variable) + '/' +
+          listed.op.name.rsplit('/', 1)[-1], spec)
   return owner.lists[key]
 
 
@@ -396,7 +405,7 @@ def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
   if columns is not None and not (in_xla or all_reduced):
     # Several replicas share one list, where the first one's table is.
     device = None if replica is None else compat.host_device(variable.device)
-    listed = list_of_rows(variable, columns, dtype, owner, device)
+    listed = list_of_rows(opt, variable, columns, dtype, owner, device)
     return row_lists.RowListAccumulator(listed, variable, dtype, replica)
   slot = create_slot(opt, variable, dtype, owner)
   if table:

@@ -1,26 +1,42 @@
-"""Checkpoint names, and checkpoints written without the wrapper.
+"""Checkpoint names, and `deferred_grad.Saver`, which resolves them on restore.
 
-The wrapper's state (accumulators, counters) is recorded per graph here
+The wrapper's own state (accumulators, counters) is recorded in its graph
 (`add_to_state`), and the wrapped optimizer's slots and non-slot variables
 are created where the original created them (`wrapped_vars_scope`,
-`create_wrapped_slots`), so that the original's checkpoints restore.
+`create_wrapped_slots`), so that the original's checkpoints restore with a
+plain `tf.compat.v1.train.Saver`.
 
-`deferred_grad.Saver` also restores checkpoints written without the wrapper.
+A checkpoint written under other settings may lack some of these names, or
+hold them under others:
 
-Turning accumulation on for a job whose checkpoints were written without it
-(or with `grad_steps=1`) meets a checkpoint that lacks the wrapper's state:
-the accumulators (`<var>/GradientAccumulator`) and counters. A plain
-`tf.compat.v1.train.Saver` then fails with `NotFoundError`. This Saver
-restores the model from such a checkpoint and starts the wrapper's state
-afresh (zero accumulators, a new cycle); from a checkpoint that has the
-state it restores everything, as a plain Saver does.
+* accumulation turned on: no accumulators or counters;
+* accumulation turned off, or the other graph behaviour: the wrapped
+  optimizer's non-slot variables (Adam's `beta1_power`) are named after the
+  scope they were made in: the caller's name scope without the wrapper
+  (`dnn/head/beta1_power`), the root inside the wrapper's control flow v2
+  branch (`beta1_power`), the branch's scope under control flow v1
+  (`dnn/head/cond/beta1_power`), as the original named them;
+* a partitioned table written by the original: one dense accumulator in
+  slices (`<table>/GradientAccumulator`) where this version keeps a list
+  of rows per partition (`<table>/part_<n>/GradientAccumulator`).
+
+`Saver` restores each variable from its own name where the checkpoint has
+it, else from the first of its other names that it has (`add_aliases`,
+`add_source`), else starts the wrapper's state afresh; and it writes each
+renamed variable under its name without the wrapper too, so that a graph
+without the wrapper restores its checkpoints with a plain Saver. The graph's
+default saver (`tf.compat.v1.GraphKeys.SAVERS`, which MonitoredTrainingSession
+and Estimator use when given none) is one (`register_default_saver`).
+
+The records live in graph collections under tuple keys, as TensorFlow's
+variable store does: they are not serialized into meta graphs.
 """
 
 from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
-import weakref
+import re
 
 from deferred_grad import compat
 
@@ -31,36 +47,81 @@ from tensorflow.python.training.saving import saveable_object
 from tensorflow.python.training.saving import saveable_object_util
 # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
 
-# graph -> the wrapper's state variables (accumulators and counters), and
-# graph -> {wrapped optimizer's non-slot variable's name: its name without
-# the wrapper}.
-_STATE = weakref.WeakKeyDictionary()
-_RENAMED = weakref.WeakKeyDictionary()
-# graph -> [(key, settings tensor, its first three values, the policies)]
-# of its train ops (see `record_settings`).
-_SETTINGS = weakref.WeakKeyDictionary()
+# Graph collections of the records (tuple keys: never serialized).
+_STATE = ('deferred_grad', 'state')  # the wrapper's state variables
+_ALIASES = ('deferred_grad', 'aliases')  # (variable, bare name, others)
+_SOURCES = ('deferred_grad', 'sources')  # (variable, key, slice spec)
+_SETTINGS = ('deferred_grad', 'settings')  # `record_settings`' records
 
 
 def add_to_state(variable):
   """Records `variable` as part of the wrapper's state in its graph.
 
   The state (accumulators and counters) is what a checkpoint written
-  without the wrapper lacks; `deferred_grad.Saver` starts it afresh then.
+  without the wrapper lacks; `Saver` starts it afresh then.
   """
-  state = _STATE.setdefault(variable.graph, [])
+  state = variable.graph.get_collection_ref(_STATE)
   if not any(variable is known for known in state):
     state.append(variable)
+
+
+def state_variables(graph):
+  """The wrapper state variables created in `graph` (see `add_to_state`)."""
+  return list(graph.get_collection(_STATE))
+
+
+def add_aliases(variable, without_wrapper, others):
+  """Records other names under which a checkpoint may hold `variable`.
+
+  Args:
+    variable: a variable of the wrapped optimizer (a non-slot variable).
+    without_wrapper: its name in a graph without the wrapper, under which
+      `Saver` also writes it.
+    others: more names, in order of preference.
+  """
+  names = [name for name in [without_wrapper] + list(others)
+           if name != variable.op.name]
+  if names:
+    variable.graph.add_to_collection(_ALIASES,
+                                     (variable, without_wrapper, names))
+
+
+def add_source(variable, key, slice_spec):
+  """Records that the original's checkpoints hold `variable` as a slice.
+
+  Args:
+    variable: a partition's list of rows (`accumulators.list_of_rows`).
+    key: the original's key: `<table>/GradientAccumulator` (or `_1`, ...).
+    slice_spec: the partition's slice of it, as a Saver writes it.
+  """
+  variable.graph.add_to_collection(_SOURCES, (variable, key, slice_spec))
+
+
+def _names(var_list):
+  """{save name: variable or slices} of `var_list`, reading nothing."""
+  return saveable_object_util.op_list_to_dict(
+      list(var_list), convert_variable_to_tensor=False)
+
+
+def slice_spec(variable):
+  """The slice spec under which Savers write a partition (or '' if none)."""
+  for specs in _names([variable]).values():
+    if isinstance(specs, list):  # a partition: a list of slices
+      for saveable in saveable_object_util.saveable_objects_for_op(
+          specs, variable.op.name):
+        return saveable.specs[0].slice_spec
+  return ''
+
+
+def save_name(variable):
+  """The name under which Savers write `variable` (a partition's table's)."""
+  return list(_names([variable]))[0]
 
 
 def _default_saveables(graph):
   """What a `tf.compat.v1.train.Saver` given no var_list saves."""
   return tf.compat.v1.global_variables() + graph.get_collection(
       tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
-
-
-def state_variables(graph):
-  """The wrapper state variables created in `graph` (see `add_to_state`)."""
-  return list(_STATE.get(graph, []))
 
 
 def record_settings(grad_steps, weighted, policy, policies, place):
@@ -84,8 +145,8 @@ def record_settings(grad_steps, weighted, policy, policies, place):
   # In the train op's name scope: saved as `<scope>/deferred_grad_settings`.
   tensor = tf.stack([tf.constant(v, tf.int64) for v in values] + [place],
                     name='deferred_grad_settings')
-  _SETTINGS.setdefault(tensor.graph, []).append(
-      (tensor.op.name, tensor, values, policies))
+  tensor.graph.add_to_collection(_SETTINGS,
+                                 (tensor.op.name, tensor, values, policies))
 
 
 def _describe(index, value, policies):
@@ -113,7 +174,7 @@ def _check_settings(records, now, save_path, keys, afresh):
   """Raises if the restored state would apply a cycle wrongly.
 
   Args:
-    records: this graph's `_SETTINGS`.
+    records: this graph's settings records (`record_settings`).
     now: their tensors' values, run after the restore.
     save_path: the checkpoint restored.
     keys: the names in it.
@@ -160,17 +221,6 @@ def _check_settings(records, now, save_path, keys, afresh):
               values[0], values[0]))
 
 
-def add_renamed(variable, name_without_wrapper):
-  """Records that without the wrapper `variable` would be named otherwise."""
-  _RENAMED.setdefault(variable.graph, {})[variable.op.name] = (
-      name_without_wrapper)
-
-
-def renamed_variables(graph):
-  """{variable name: its name without the wrapper} in `graph`."""
-  return dict(_RENAMED.get(graph, {}))
-
-
 def wrapped_vars_scope(in_cond):
   """Returns where the wrapped optimizer's non-slot variables go.
 
@@ -198,156 +248,245 @@ def wrapped_vars_scope(in_cond):
   return graph.unique_name('cond', mark_as_used=False) + '/', caller
 
 
-def create_wrapped_slots(opt, var_list, scopes):
+def create_wrapped_slots(opt, var_list, scopes, wrapper):
   """Creates the wrapped optimizer's slots and non-slot variables.
 
-  Where their scope differs from the caller's, records the name each new
-  non-slot variable would have without the wrapper (`add_renamed`), for
-  `deferred_grad.Saver`.
+  Records each new non-slot variable's names in a checkpoint written
+  without the wrapper or in the other graph behaviour (`add_aliases`), and
+  restores into it what an object-based checkpoint restore of `wrapper`
+  (which shows them as its own) left for it.
 
   Args:
     opt: the wrapped optimizer.
     var_list: the variables it will update.
     scopes: what `wrapped_vars_scope` returned.
+    wrapper: the `GradientAggregationOptimizer`.
   """
   # pylint: disable=protected-access
   scope, caller = scopes
   before = set(id(v) for v in opt._non_slot_dict.values())
   with tf.init_scope(), tf.compat.v1.name_scope(scope):
     opt._create_slots(var_list)
-  if scope == caller:
-    return
-  for variable in opt._non_slot_dict.values():
+  for (key, _), variable in list(opt._non_slot_dict.items()):
     name = variable.op.name
-    if id(variable) not in before and name.startswith(scope):
-      add_renamed(variable, caller + name[len(scope):])
+    if id(variable) in before:
+      continue
+    compat.handle_deferred_dependencies(wrapper, key, variable)
+    if not name.startswith(scope):
+      continue
+    base = name[len(scope):]
+    # Without the wrapper; inside its v2 branch; inside its v1 branch.
+    add_aliases(variable, caller + base, [base, caller + 'cond/' + base])
+
+
+def register_default_saver(graph):
+  """Makes a `Saver` the graph's default saver, unless it has one.
+
+  MonitoredTrainingSession (its Scaffold) and Estimator save with the
+  saver in `tf.compat.v1.GraphKeys.SAVERS`, and make a plain one where the
+  collection is empty. This one is made as they would make theirs (sharded,
+  relative paths, built when the session is made, the 5 newest kept).
+  """
+  if not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
+    graph.add_to_collection(
+        tf.compat.v1.GraphKeys.SAVERS,
+        Saver(sharded=True, allow_empty=True, defer_build=True,
+              save_relative_paths=True))
+
+
+class _Restore(object):
+  """How the fallback restores one saveable: ops fed a source per spec.
+
+  Args:
+    saveable: a `SaveableObject` of the saver's list.
+    path: the string placeholder fed the checkpoint's path.
+  """
+
+  def __init__(self, saveable, path):
+    self.saveable = saveable
+    self.names = [spec.name for spec in saveable.specs]
+    self.slices = [spec.slice_spec for spec in saveable.specs]
+    count = len(saveable.specs)
+    self.source_names = tf.compat.v1.placeholder(tf.string, [count])
+    self.source_slices = tf.compat.v1.placeholder(tf.string, [count])
+    with tf.device(compat.host_device(saveable.device)):
+      tensors = tf.raw_ops.RestoreV2(
+          prefix=path, tensor_names=self.source_names,
+          shape_and_slices=self.source_slices,
+          dtypes=[spec.dtype for spec in saveable.specs])
+    with tf.device(saveable.device):
+      self.op = saveable.restore(tensors, None)
+
+  def feed(self, sources):
+    """The feeds restoring it from `sources`, [(key, slice spec)] per spec."""
+    return {self.source_names: [key for key, _ in sources],
+            self.source_slices: [spec for _, spec in sources]}
 
 
 class Saver(tf.compat.v1.train.Saver):
-  """A `tf.compat.v1.train.Saver` that also restores checkpoints without the
-  wrapper's state, and checks the settings of a partial cycle.
+  """A `tf.compat.v1.train.Saver` that resolves names and settings on restore.
 
   ```python
   saver = deferred_grad.Saver()      # after the wrapper's train op is built
-  saver.restore(session, path)       # with or without accumulators in it
+  saver.restore(session, path)       # written with or without accumulation
 
-  # MonitoredTrainingSession, Estimator: hand it over in a Scaffold.
+  # MonitoredTrainingSession, Estimator: the wrapper makes one the graph's
+  # default saver, or hand one over in a Scaffold.
   scaffold = tf.compat.v1.train.Scaffold(saver=deferred_grad.Saver())
   ```
 
   It takes the arguments of `tf.compat.v1.train.Saver` and saves as it does,
   plus each train op's settings (`<its name scope>/deferred_grad_settings`:
   its int `grad_steps`, whether it is weighted, its `nonfinite_policy` and the
-  micro-steps of its cycle so far), which other savers ignore. On `restore`:
+  micro-steps of its cycle so far), and each of the wrapped optimizer's
+  non-slot variables also under its name without the wrapper (so that a
+  graph without it restores with a plain Saver). On `restore`:
 
-  * a checkpoint with every variable restores as with a plain Saver; if it
-    was written mid-cycle by this Saver with another `grad_steps`, or with a
+  * a checkpoint with every name restores as with a plain Saver; if it was
+    written mid-cycle by this Saver with another `grad_steps`, or with a
     `micro_batch_weight` or `nonfinite_policy` this graph lacks, a
     `ValueError` says so (the partial cycle's sums would be applied
     wrongly);
-  * a checkpoint without (some of) the wrapper's state, e.g. one written
-    before accumulation was turned on: the model and the wrapped optimizer's
-    variables are restored, and the wrapper's accumulators and counters are
-    initialized: the cycle starts afresh (an int cycle counted on a
-    restored `global_step` that is not a multiple of `grad_steps` would
-    start part-way, with nothing summed: a `ValueError`). The wrapped
-    optimizer's non-slot variables (Adam's `beta1_power`, ...), which the
-    wrapper names `cond/beta1_power` under control flow v1 as the original
-    did, are read from their names without the wrapper if need be.
+  * otherwise each variable comes from its own name, or else from another
+    name it has under other settings: the wrapped optimizer's non-slot
+    variables (Adam's `beta1_power`) from their names without the wrapper
+    or in the other graph behaviour; a partitioned table's list of rows
+    from the original's dense accumulator. Where any of the wrapper's
+    accumulators and counters is missing (accumulation turned on, a
+    counter added), they all start afresh: a new cycle (an int cycle
+    counted on a restored `global_step` that is not a multiple of
+    `grad_steps` would start part-way: a `ValueError`). In a
+    graph without the wrapper, a non-trainable variable missing from a
+    checkpoint written with it is taken from the one name the wrapper could
+    have given it.
 
   Build it after the wrapper's train ops, so that it knows their state.
   """
 
   def build(self):
     graph = tf.compat.v1.get_default_graph()
-    self._settings = list(_SETTINGS.get(graph, []))
-    if self._var_list is None or isinstance(self._var_list, (list, tuple)):
-      if self._var_list is None:
-        self._var_list = _default_saveables(graph)
-      self._var_list = list(self._var_list) + [
-          _SavedTensor(tensor, key) for key, tensor, _, _ in self._settings]
+    self._settings = list(graph.get_collection(_SETTINGS))
+    restored = self._var_list
+    if restored is None or isinstance(restored, (list, tuple)):
+      if restored is None:
+        restored = _default_saveables(graph)
+      taken = set(_names(restored))
+      extras = [_SavedTensor(tensor, key)
+                for key, tensor, _, _ in self._settings]
+      for variable, bare, _ in graph.get_collection(_ALIASES):
+        if bare not in taken:  # its name without the wrapper
+          taken.add(bare)
+          extras.append(_SavedTensor(variable.read_value(), bare))
+      self._var_list = list(restored) + extras
+      self._extra_names = set(extra.name for extra in extras)
+    else:  # a dict of names: saved and restored as given
+      self._extra_names = set()
     super(Saver, self).build()
-    self._build_fallbacks()
+    self._build_fallback(graph, restored)
 
-  def _build_fallbacks(self):
-    """Restore-only savers: all but the settings; the model alone."""
-    if getattr(self, '_fallbacks', None) is not None:
+  def _build_fallback(self, graph, restored):
+    """Restore ops fed their sources, for checkpoints lacking some names."""
+    if getattr(self, '_fallback', None) is not None:
       return
-    graph = tf.compat.v1.get_default_graph()
-    names = saveable_object_util.op_list_to_dict(
-        self._var_list if self._var_list is not None else
-        _default_saveables(graph))
-    settings = getattr(self, '_settings', [])
-    self._settings_names = set(key for key, _, _, _ in settings) & set(names)
-    names = {name: var for name, var in names.items()
-             if name not in self._settings_names}
-    state = {}
+    if isinstance(restored, dict):
+      names_to_saveables = dict(restored)
+    else:
+      names_to_saveables = saveable_object_util.op_list_to_dict(
+          list(restored))
+    self._path = tf.compat.v1.placeholder(tf.string, [])
+    self._fallback = [
+        _Restore(saveable, self._path) for saveable in
+        saveable_object_util.validate_and_slice_inputs(names_to_saveables)]
+    self._initializers = {}
     for variable in state_variables(graph):
-      for name in saveable_object_util.op_list_to_dict([variable]):
-        if name in names:
-          state[name] = variable
-    state_names = set(state)
-    renamed = renamed_variables(graph)
-    model = {name: var for name, var in names.items()
-             if name not in state_names}
-    model_renamed = {renamed.get(name, name): var
-                     for name, var in model.items()}
-    self._state_names = state_names
-    self._state_initializer = tf.compat.v1.variables_initializer(
-        [state[name] for name in sorted(state)])
-    self._without_settings = None
-    if self._settings_names and names:  # for checkpoints without them
-      self._without_settings = tf.compat.v1.train.Saver(var_list=names)
-    self._fallbacks = []
-    for var_list in (model, model_renamed):
-      if var_list and not any(set(var_list) == set(known)
-                              for known, _ in self._fallbacks):
-        self._fallbacks.append(
-            (var_list, tf.compat.v1.train.Saver(var_list=var_list)))
-    self._all_names = set(names)
+      self._initializers.setdefault(save_name(variable), []).append(
+          variable.initializer)
+    self._state_names = set(self._initializers)
+    aliases = {}
+    for variable, _, names in graph.get_collection(_ALIASES):
+      aliases[save_name(variable)] = [(name, '') for name in names]
+    for variable, key, spec in graph.get_collection(_SOURCES):
+      aliases.setdefault(save_name(variable), []).append((key, spec))
+    self._aliases = aliases
+    self._trainable = set(_names(tf.compat.v1.trainable_variables()))
+
+  def _sources(self, restore, keys):
+    """[(key, slice spec)] per spec of `restore`, or None where missing."""
+    if all(name in keys for name in restore.names):
+      return list(zip(restore.names, restore.slices))
+    if len(restore.names) != 1:
+      return None
+    name, = restore.names
+    for key, spec in self._aliases.get(name, ()):
+      if key in keys:
+        return [(key, spec)]
+    if name in self._trainable or name in self._state_names or (
+        restore.slices[0]):
+      return None
+    # Without the wrapper: a non-slot variable of the optimizer it wrapped
+    # (`create_wrapped_slots`), named at the root or in its v1 branch.
+    scope, base = name.rpartition('/')[::2]
+    pattern = re.compile('^(%s/)?(cond(_[0-9]+)?/)?%s$' % (
+        re.escape(scope), re.escape(base)) if scope else
+                         '^(cond(_[0-9]+)?/)?%s$' % re.escape(base))
+    found = [key for key in keys if pattern.match(key) and key != name]
+    return [(found[0], '')] if len(found) == 1 else None
 
   def restore(self, sess, save_path):
-    """Restores from `save_path`, with or without the wrapper's state.
+    """Restores from `save_path`, resolving names (see the class).
 
     Args:
       sess: the session.
       save_path: the checkpoint's path prefix.
 
     Raises:
-      tf.errors.NotFoundError: the checkpoint lacks a model variable (under
-        the names with and without the wrapper).
+      tf.errors.NotFoundError: the checkpoint lacks a variable that is not
+        the wrapper's state, under every name it could have.
       ValueError: it was written mid-cycle under other settings (see the
         class).
     """
     if save_path is None:
       return super(Saver, self).restore(sess, save_path)
-    self._build_fallbacks()
+    if getattr(self, '_fallback', None) is None:
+      self.build()
     keys = {name for name, _ in tf.train.list_variables(save_path)}
-    if self._all_names <= keys:
-      if self._settings_names <= keys:
-        result = super(Saver, self).restore(sess, save_path)
-      else:  # written by another saver
-        result = self._without_settings.restore(sess, save_path)
+    wanted = set(name for restore in self._fallback
+                 for name in restore.names)
+    if wanted | self._extra_names <= keys:
+      result = super(Saver, self).restore(sess, save_path)
       self._check_settings(sess, save_path, keys, afresh=False)
       return result
-    for var_list, saver in self._fallbacks:
-      if set(var_list) <= keys:
-        saver.restore(sess, save_path)
-        sess.run(self._state_initializer)
-        self._check_settings(sess, save_path, keys, afresh=True)
-        tf.compat.v1.logging.info(
-            'deferred_grad.Saver: %s has no (complete) accumulator state; '
-            'restored the model and started the wrapper\'s state afresh '
-            '(missing: %s).', save_path,
-            ', '.join(sorted(self._state_names - keys)) or 'none')
-        return None
-    missing = sorted(min((set(var_list) - keys for var_list, _ in
-                          self._fallbacks), key=len))
-    raise tf.errors.NotFoundError(
-        None, None,
-        'deferred_grad.Saver: checkpoint %s lacks model variables %s (the '
-        'wrapper\'s own state may be missing; these may not).' %
-        (save_path, missing))
+    chosen = [(restore, self._sources(restore, keys))
+              for restore in self._fallback]
+    state = lambda restore: all(name in self._state_names
+                                for name in restore.names)
+    # Partial sums mean nothing without all of their counters: where any
+    # of the wrapper's state is missing, all of it starts afresh.
+    afresh = [name for restore, sources in chosen if sources is None and
+              state(restore) for name in restore.names]
+    ops, feed, missing = [], {self._path: save_path}, []
+    for restore, sources in chosen:
+      if afresh and state(restore):
+        ops.extend(self._initializers[restore.names[0]])
+      elif sources is not None:
+        ops.append(restore.op)
+        feed.update(restore.feed(sources))
+      else:
+        missing.extend(restore.names)
+    if missing:
+      raise tf.errors.NotFoundError(
+          None, None,
+          'deferred_grad.Saver: checkpoint %s lacks %s, under every name '
+          'they could have (the wrapper\'s own state may be missing; these '
+          'may not).' % (save_path, sorted(missing)))
+    sess.run(ops, feed)
+    self._check_settings(sess, save_path, keys, afresh=bool(afresh))
+    if afresh:
+      tf.compat.v1.logging.info(
+          'deferred_grad.Saver: %s has no (complete) accumulator state; '
+          'restored the model and started the wrapper\'s state afresh '
+          '(missing: %s).', save_path, ', '.join(sorted(afresh)))
+    return None
 
   def _check_settings(self, sess, save_path, keys, afresh):
     records = getattr(self, '_settings', [])

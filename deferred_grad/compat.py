@@ -135,3 +135,49 @@ def in_xla_context():
       context = context.outer_context
     graph = getattr(graph, 'outer_graph', None)
   return False
+
+
+# Object-based checkpoints (`tf.train.Checkpoint`, Keras's `save_weights`)
+# see the wrapper where the bare optimizer would be. TensorFlow's
+# `tf.compat.v1.train.Optimizer` keeps its non-slot variables and restores
+# its slots through Trackable's extension points, which a wrapper takes on
+# by delegating to the optimizer it wraps; without them (a TensorFlow that
+# dropped one) the wrapper has no children of its own, as before, and
+# object-based checkpoints then miss the wrapped optimizer's state.
+
+
+def trackable_children(opt, save_type, **kwargs):
+  """`opt`'s object-graph children (its non-slot variables), or {}."""
+  children = getattr(opt, '_trackable_children', None)
+  return dict(children(save_type, **kwargs)) if children else {}
+
+
+def lookup_dependency(opt, name, cached_dependencies=None):
+  """`opt`'s child `name` in the current graph, or None."""
+  lookup = getattr(opt, '_lookup_dependency', None)
+  return lookup(name, cached_dependencies) if lookup else None
+
+
+def create_or_restore_slot_variable(opt, position, slot_name, variable):
+  """Hands a checkpoint's slot value to `opt`, which restores it into the
+  slot now or as the slot is made (`restore_slot_variable`)."""
+  restore = getattr(opt, '_create_or_restore_slot_variable', None)
+  if restore is not None:
+    restore(position, slot_name, variable)
+
+
+def restore_slot_variable(opt, slot_name, variable, slot):
+  """Restores into `slot`, made outside `opt`'s own slot functions, what a
+  checkpoint restore handed `opt` for it (`create_or_restore_slot_variable`).
+  """
+  restore = getattr(opt, '_restore_slot_variable', None)
+  if restore is not None:
+    restore(slot_name, variable, slot)
+
+
+def handle_deferred_dependencies(trackable, name, variable):
+  """Restores into `variable`, made after a checkpoint restore of
+  `trackable`, what the checkpoint holds for `trackable`'s child `name`."""
+  handle = getattr(trackable, '_handle_deferred_dependencies', None)
+  if handle is not None:
+    handle(name=name, trackable=variable)

@@ -357,11 +357,16 @@ class TrainOpState(object):
           'counts its updates itself.')
     return self.position.updates
 
-  def variables(self):
-    own = self.cycle.variables() + list(self.lists.values())
+  def counters(self):
+    """The counters: the cycle's, its counts, what a policy skipped."""
+    own = self.cycle.variables()
     own += [self.counts[name] for name in sorted(self.counts or {})]
     return own + [v for v in (self.skipped_micro_batches, self.skipped_cycles)
                   if v is not None]
+
+  def variables(self):
+    """The train op's variables: its counters and its tables' lists."""
+    return self.counters() + list(self.lists.values())
 
 
 class ReplicaPart(object):

@@ -209,6 +209,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     present = arguments.check_apply_gradients(
         grads_and_vars, global_step, name, replica_context, self._use_tpu,
         self._apply_crs_to_grad)
+    with tf.init_scope():  # checkpoints restore across settings
+      checkpoints.register_default_saver(tf.compat.v1.get_default_graph())
     var_list = [v for _, v in present]
     # grad_steps=1: each micro-step is a cycle, applying its own gradients.
     accumulates = not (isinstance(self._grad_steps, int) and
@@ -238,6 +240,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
           accumulators = accumulators_lib.PassThrough(sparse)
       if not any(state is own for own in self._states):
         self._states.append(state)
+        for counter in state.counters():  # restored before it was made
+          compat.handle_deferred_dependencies(self, counter.op.name, counter)
       # Runs of one train op from several threads of a session take turns
       # (`cycle.acquire_lock`). Not inside XLA (no mutex compiles), nor where
       # replicas span workers (their collectives already run in lockstep),
@@ -256,7 +260,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
             weight, checks)
       if self._use_tpu:
         checkpoints.create_wrapped_slots(self._opt, var_list,
-                                         wrapped_vars_scope)
+                                         wrapped_vars_scope, self)
         return self._end_micro_step(None, [micro_step], part)
     # The original's GPU path: merge_call outside tf.cond.
     return replica_context.merge_call(
@@ -302,7 +306,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     first = lambda value: distribute.first_replica(distribution, value)
     wrapped_vars_scope = tuple(first(p) for p in wrapped_vars_scope)
     checkpoints.create_wrapped_slots(self._opt, first(part).var_list,
-                                     wrapped_vars_scope)
+                                     wrapped_vars_scope, self)
     with tf.compat.v1.name_scope(first(scope)):
       return self._end_micro_step(
           distribution, distribution.experimental_local_results(micro_step),
@@ -417,6 +421,32 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   def get_slot_names(self, *args, **kwargs):  # with grad_accum
     return self._opt.get_slot_names(*args, **kwargs)
+
+  # ------------------------------- object-based checkpoints (Keras, etc.) --
+  # tf.train.Checkpoint and Keras's save_weights save the optimizer as an
+  # object: the wrapper shows the wrapped optimizer's non-slot variables and
+  # slots as its own (a bare optimizer's checkpoint restores into it, and
+  # its checkpoint into a bare optimizer), and its counters beside them.
+
+  def _own_children(self):
+    """{name: variable}: this graph's counters of the wrapper's train ops."""
+    graph = tf.compat.v1.get_default_graph()
+    return {v.op.name: v for state in self._states
+            for v in state.counters() if getattr(v, 'graph', None) is graph}
+
+  def _trackable_children(self, save_type='checkpoint', **kwargs):
+    children = compat.trackable_children(self._opt, save_type, **kwargs)
+    children.update(self._own_children())
+    return children
+
+  def _lookup_dependency(self, name, cached_dependencies=None):
+    found = compat.lookup_dependency(self._opt, name, cached_dependencies)
+    return found if found is not None else self._own_children().get(name)
+
+  def _create_or_restore_slot_variable(self, slot_variable_position,
+                                       slot_name, variable):
+    compat.create_or_restore_slot_variable(
+        self._opt, slot_variable_position, slot_name, variable)
 
   def variables(self):
     """The wrapped optimizer's and the wrapper's variables (this graph's)."""

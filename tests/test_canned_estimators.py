@@ -125,10 +125,10 @@ def _estimator(name, model_dir, grad_steps=None, as_callable=False):
 def _model_variables(estimator):
   """Every variable of the bare model's checkpoint but the step: weights and
   the wrapped optimizer's slots."""
+  own = ('GradientAccumulator', 'update_count', 'deferred_grad_settings')
   return {name: estimator.get_variable_value(name)
           for name in estimator.get_variable_names()
-          if name != 'global_step' and 'GradientAccumulator' not in name and
-          'update_count' not in name}
+          if name != 'global_step' and not any(o in name for o in own)}
 
 
 def _bare(name, model_dir):

@@ -64,6 +64,16 @@ def test_example_trains_like_the_large_batch(example, flags, figures):
 
 
 @run_once_per_version
+@_needs_estimator
+def test_canned_estimator_example_trains_like_the_large_batch():
+  output = run_tool('examples/canned_estimator_example.py', '--grad_steps=2',
+                    '--updates=4')
+  difference, = scripts.largest_differences(output)
+  assert difference < 1e-5, output
+  assert 'global_step 8, ' in output, output
+
+
+@run_once_per_version
 def test_parameter_server_example_trains():
   first, last = scripts.loss_decrease(run_tool(
       'examples/parameter_server_example.py', '--grad_steps=2',

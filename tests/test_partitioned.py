@@ -264,3 +264,60 @@ def test_a_partitioned_checkpoint_restores_into_a_graph_without_the_wrapper(
     restored = session.run(bare.variables)
   for name, value in values.items():
     np.testing.assert_array_equal(restored[name], value)
+
+
+@pytest.mark.parametrize('partitions', [1, 3])
+def test_the_original_s_checkpoint_of_a_partitioned_table(partitions,
+                                                          use_tpu, tmp_path):
+  """The original kept one dense accumulator in slices, as it keeps the
+  table (`<table>/GradientAccumulator`). deferred_grad.Saver restores each
+  partition's list from its slice (turned into the rows that are not zero
+  at the next micro-step), and the cycle goes on as it would have."""
+  examples = _examples(CYCLES * GRAD_STEPS * MICRO_BATCH)
+  kwargs = dict(use_tpu=use_tpu)
+  expected = _Model('weighted', 'Momentum', GRAD_STEPS, partitions,
+                    **kwargs).train(examples)[-1]
+  written = _Model('weighted', 'Momentum', GRAD_STEPS, partitions, **kwargs)
+  with tf.compat.v1.Session(graph=written.graph) as session:
+    session.run(written.init_op)
+    written.run(session, examples, range(STOP_STEP))
+    with written.graph.as_default():
+      state = {v.op.name: session.run(v)
+               for v in tf.compat.v1.global_variables()}
+  # As the original saved it: each partitioned name whole, its accumulator
+  # dense (the lists' rows added up where they were looked up).
+  original = {}
+  for name in sorted(state):
+    if '/part_' not in name:
+      original[name] = state[name]
+      continue
+    whole, part = name.split('/part_', 1)
+    index, _, slot = part.partition('/')
+    key = whole + ('/' + slot if slot else '')
+    value = state[name]
+    if slot == 'GradientAccumulator':
+      value = training.dense_accumulator(
+          value, state[whole + '/part_' + index].shape)
+    original.setdefault(key, []).append((int(index), value))
+  original = {key: (np.concatenate([v for _, v in sorted(value)])
+                    if isinstance(value, list) else value)
+              for key, value in original.items()}
+  assert any(np.any(value) for key, value in original.items()
+             if key.endswith('GradientAccumulator'))
+  path = os.path.join(str(tmp_path), 'original')
+  with tf.Graph().as_default():
+    variables = [tf.compat.v1.Variable(value, name=key)
+                 for key, value in original.items()]
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      tf.compat.v1.train.Saver(variables).save(session, path)
+  resumed = _Model('weighted', 'Momentum', GRAD_STEPS, partitions, **kwargs)
+  with tf.compat.v1.Session(graph=resumed.graph) as session, \
+      resumed.graph.as_default():
+    session.run(tf.compat.v1.tables_initializer())
+    deferred_grad.Saver().restore(session, path)
+    resumed.run(session, examples, range(STOP_STEP, CYCLES * GRAD_STEPS))
+    actual = session.run(resumed.variables)
+  for name, value in expected.items():
+    np.testing.assert_allclose(actual[name], value, rtol=1e-6, atol=1e-7,
+                               err_msg=name)

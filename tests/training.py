@@ -32,6 +32,8 @@ class Trainer(object):
     device: device (or device function) to build the graph under.
     weight_fn: None, or a function of the inputs giving the wrapper's
       `micro_batch_weight` (e.g. models.token_weight).
+    scope: None, or a name scope to call `minimize` in (a canned head's,
+      where optimizers name their non-slot variables).
     **wrapper_kwargs: passed to `GradientAggregationOptimizer`.
   """
 
@@ -44,6 +46,7 @@ class Trainer(object):
                model_kwargs=None,
                device=None,
                weight_fn=None,
+               scope=None,
                **wrapper_kwargs):
     self.micro_steps = 1 if grad_steps is None else grad_steps
     self.graph = tf.Graph()
@@ -67,8 +70,9 @@ class Trainer(object):
       if grad_steps is not None:
         self.optimizer = deferred_grad.GradientAggregationOptimizer(
             self.optimizer, grad_steps, **wrapper_kwargs)
-      self.train_op = self.optimizer.minimize(
-          loss, global_step=self.global_step if use_global_step else None)
+      with tf.compat.v1.name_scope(scope):
+        self.train_op = self.optimizer.minimize(
+            loss, global_step=self.global_step if use_global_step else None)
       self.init_op = tf.compat.v1.global_variables_initializer()
 
   def session(self):

@@ -33,7 +33,7 @@ flags.DEFINE_string('baseline_dir', None,
 
 ENTRY_POINT = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), 'benchmark.py')
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(ENTRY_POINT)))
+REPOSITORY = os.path.dirname(os.path.dirname(ENTRY_POINT))
 BASELINE_PACKAGE = 'deferred_grad_baseline'
 
 

@@ -23,6 +23,9 @@ Checkpoint names are the original's, so its checkpoints restore:
   variable                            checkpoint key
   accumulator of v (slot grad_accum)  v/GradientAccumulator
   the same, of a second train op      v/GradientAccumulator_1 (slot grad_accum_1)
+  a partitioned table's, per part     table/part_0/GradientAccumulator (the
+                                        original: slices of
+                                        table/GradientAccumulator)
   cycle counter (TPU path, or no      update_count (a float32 scalar;
     global_step)                        update_count_1, ... for later ones)
   the wrapped optimizer's slots       their usual names: v/Adam, v/Adam_1
@@ -32,22 +35,26 @@ Checkpoint names are the original's, so its checkpoints restore:
 `update_count` counts modulo grad_steps; a value written by the original
 (which counted on) is read modulo grad_steps and continues its cycle.
 
-Turning accumulation on for an existing checkpoint: one written without the
-wrapper (or with grad_steps=1) lacks the accumulators, and a plain Saver
-fails on it with `NotFoundError: Key .../GradientAccumulator not found`.
-`deferred_grad.Saver` is a drop-in `tf.compat.v1.train.Saver` that restores
-it: the model and the wrapped optimizer's variables come from the
-checkpoint, the wrapper's accumulators and counters start afresh (under
-`disable_v2_behavior()` it also maps `beta1_power` to `cond/beta1_power`).
-Build it after the train op and give it to the session through a Scaffold,
-as below (an Estimator model_fn: `EstimatorSpec(..., scaffold=scaffold)`).
-On the GPU path the cycle is read from `global_step`: restored at a step that
-is not a multiple of grad_steps, the first cycle would be short (the sum of
-fewer micro-batches, divided by grad_steps), so the Saver raises a
-ValueError saying so; give grad_steps as a tensor (`tf.constant(k)`), whose
-counters start afresh, to turn accumulation on at any step. The other way, a checkpoint with
-accumulators restores into a graph without the wrapper (evaluation, export)
-with a plain Saver over the model's variables.
+Switching accumulation on, off, or to another grad_steps over an existing
+checkpoint (written at a cycle boundary) needs nothing either: the wrapper
+makes `deferred_grad.Saver` the graph's default saver (the SAVERS
+collection, which MonitoredTrainingSession and Estimator use when given no
+Scaffold saver). It reads each variable under its own name or another it
+had: a checkpoint written without the wrapper lacks the accumulators, which
+start afresh, and names Adam's powers `head/beta1_power` where the wrapper,
+as the original, names them `beta1_power` (control flow v2) or
+`head/cond/beta1_power` (v1); it writes them under the names without the
+wrapper too, so a job without it restores with a plain Saver. A plain Saver
+of your own (in a Scaffold) fails on a checkpoint without accumulators with
+`NotFoundError: Key .../GradientAccumulator not found`: give the Scaffold a
+`deferred_grad.Saver()` instead. On the GPU path the cycle is read from
+`global_step`: restored at a step that is not a multiple of grad_steps, the
+first cycle would be short (the sum of fewer micro-batches, divided by
+grad_steps), so the Saver raises a ValueError saying so; give grad_steps as
+a tensor (`tf.constant(k)`), whose counters start afresh, to turn
+accumulation on at any step. The default saver keeps the 5 newest
+checkpoints, as MonitoredTrainingSession's and Estimator's do
+(`RunConfig(keep_checkpoint_max)` has no effect without a Scaffold saver).
 
 Resuming with other settings (the README's "Checkpoints" has the table):
 aggregation, sparse_as_dense and the TPU-to-GPU path may change at any
@@ -104,7 +111,7 @@ def micro_batch(step):
   return x.astype(np.float32), x.dot(TRUE_W).astype(np.float32)
 
 
-def train(checkpoint_dir, last_step, grad_steps, plain_saver=True):
+def train(checkpoint_dir, last_step, grad_steps):
   """Trains to `last_step` from what `checkpoint_dir` holds; returns w, loss."""
   with tf.Graph().as_default():
     x = tf.compat.v1.placeholder(tf.float32, [None, 8])
@@ -117,13 +124,13 @@ def train(checkpoint_dir, last_step, grad_steps, plain_saver=True):
     if grad_steps > 1:
       optimizer = deferred_grad.GradientAggregationOptimizer(optimizer,
                                                              grad_steps)
-    train_op = optimizer.minimize(loss, global_step=global_step)
-    # After the train op: it then knows the wrapper's variables.
-    scaffold = tf.compat.v1.train.Scaffold(
-        saver=None if plain_saver else deferred_grad.Saver())
+    with tf.compat.v1.name_scope('head'):  # as a model_fn's head
+      train_op = optimizer.minimize(loss, global_step=global_step)
     hooks = [tf.compat.v1.train.StopAtStepHook(last_step=last_step)]
+    # No Scaffold: the graph's default saver is deferred_grad.Saver where
+    # the wrapper is (a plain one where it is not).
     with tf.compat.v1.train.MonitoredTrainingSession(
-        checkpoint_dir=checkpoint_dir, scaffold=scaffold, hooks=hooks,
+        checkpoint_dir=checkpoint_dir, hooks=hooks,
         save_checkpoint_steps=grad_steps, log_step_count_steps=None) as session:
       while not session.should_stop():
         batch_x, batch_y = micro_batch(session.run(global_step))
@@ -149,11 +156,12 @@ def main(argv):
     print('stopped at micro-step %d and resumed: largest weight difference '
           'from the uninterrupted run: %.3g'
           % (last_step // 2 + 1, np.abs(resumed - straight).max()))
-    # A checkpoint written without the wrapper, then accumulation on.
+    # Written without the wrapper, then accumulation on, then off again.
     train(root + '/c', k, 1)
-    train(root + '/c', k + last_step, k, plain_saver=False)
-    print('a checkpoint without accumulators, restored by deferred_grad.Saver:'
-          ' trained on to step %d' % (k + last_step))
+    train(root + '/c', k + last_step, k)
+    train(root + '/c', 2 * k + last_step, 1)
+    print('accumulation turned on over a checkpoint written without it, '
+          'then off: trained on to step %d' % (2 * k + last_step))
     print('loss went from %.5f to %.5f' % (first_loss, loss))
   finally:
     shutil.rmtree(root)
