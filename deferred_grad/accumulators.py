@@ -1,25 +1,39 @@
-"""Gradient accumulators: a train op's sums of the cycle, per replica.
+"""Gradient accumulators: a train op's sums of the cycle, on one replica.
 
-Each variable that receives a gradient gets an accumulator slot holding the
-sum of the cycle's micro-batch gradients divided by `grad_steps` (the
-original's scale, so that its checkpoints restore mid-cycle); under a
-`grad_steps` schedule, by the cycle's length. `create` makes a replica's
-`Accumulators`, which the optimizer calls with values:
+Each variable that receives a gradient gets an accumulator holding the sum
+of the cycle's micro-batch gradients divided by the cycle's length (the
+original's scale, `sum(g) / grad_steps`, so that its checkpoints restore
+mid-cycle). `create` makes a replica's `Accumulators`, which the optimizer
+calls with values:
 
-* `add(gradients, divisor)`: the micro-step's op adding `gradient / divisor`
-  to each (a `numerics.Divisor`: grad_steps, or the cycle's length);
-* `mark()`: ops run on every micro-step, added or skipped;
-* `shared_rows(gradients, divisor, finite)` and `append_shared(rows)`: the
-  rows of tables whose list the replicas share, added where they meet;
-* `read(length, micro_step)`: the cycle's sums, this micro-step's included,
-  for the apply step (`length`: the cycle's micro-steps);
+* `add(gradients, length, finite)`: the micro-step's op adding
+  `gradient / length` to each (none where `finite` is False);
+* `read()`: the cycle's sums, for the apply step, as a `Read`;
 * `reset(after, read)`: empties them for the next cycle, after `after`.
 
-One kind per kind of gradient sits behind it: `DenseAccumulator` (added,
-read and zeroed in place, by `kernels`), `ShardedAccumulator` (added
-through an XLA sharding annotation), and a table's (sparse gradients) from
-`row_lists` or `tables`. With grad_steps=1 nothing accumulates:
-`PassThrough` hands the apply step the micro-step's own gradients.
+One kind per kind of gradient sits behind it:
+
+* `DenseAccumulator`: a slot of the wrapped optimizer shaped like its
+  variable (`<variable>/GradientAccumulator`), added to, read and zeroed in
+  place, one kernel each, their handles batched (`compat.handles`);
+  `ShardedAccumulator` adds through the XLA sharding rule (`sharding`).
+* `RowListAccumulator`: a table's (sparse gradients, `tf.IndexedSlices`):
+  the rows looked up, each beside its id, so that memory follows the rows a
+  cycle looks up, not the table (one process, MirroredStrategy, parameter-
+  server workers).
+* `TableSizedAccumulator`: a table's where shapes must be static or the
+  workers gather rows of one length (inside XLA, MultiWorkerMirroredStrategy):
+  a table-sized slot, added to row by row.
+* `PassThrough`: with grad_steps=1 nothing accumulates; the apply step gets
+  the micro-step's own gradients.
+
+Two costs shape the kernels, each measured with `tools/benchmark`: on many
+small variables a step costs the ops the executor schedules (about a
+microsecond each on a 2-core CPU), so an add is one kernel (SGD's, with
+rate -1/length) and the handles and reads are one op per device; and the
+accumulators are as large as the parameters, so no buffer as large as them
+is kept: zeros are made at run time (`run_time_zeros`), and a large
+accumulator is zeroed in its own buffer (`_zero`).
 """
 
 from __future__ import absolute_import
@@ -27,219 +41,591 @@ from __future__ import division
 from __future__ import print_function
 
 import collections
+import contextlib
 import itertools
-import weakref
 
-from deferred_grad import arguments
 from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import distribute
-from deferred_grad import kernels
-from deferred_grad import row_lists
 from deferred_grad import sharding
-from deferred_grad import tables
 
 tf = compat.import_tensorflow()
 
 SLOT_NAME = 'grad_accum'
 SLOT_OP_NAME = 'GradientAccumulator'
+# Which train op (its record) accumulates into a slot: (slot, owner) pairs.
+_OWNERS = ('deferred_grad', 'slot_owners')
+# Up to this size an accumulator is zeroed by assigning it zeros shared by
+# every accumulator of its shape: one op each, and the shared transient is
+# small. Larger ones are zeroed by a scatter, which needs no such buffer.
+SHARED_ZEROS_MAX_BYTES = 1 << 20
 
 
-# graph -> {id(slot): the train op (its state) that accumulates into it}.
-_OWNERS = weakref.WeakKeyDictionary()
+def _is_ref(variable):
+  """True for a reference variable (v1 behaviour): its own kernels."""
+  return variable.dtype != variable.dtype.base_dtype
 
 
-def _slot_name(opt, variable, owner):
-  """(slot name, op name) of `owner`'s accumulator of `variable`.
+def run_time_zeros(shape, dtype=tf.float32, partition_info=None):
+  """Zeros of `shape` that TensorFlow cannot fold into a constant.
 
-  The first train op to accumulate `variable` through `opt` gets the
-  original's names; another train op of the same wrapped optimizer on the
-  same variable (a shared trunk under two losses) gets its own slot,
-  `grad_accum_1` saved as `<variable>/GradientAccumulator_1`, and so on:
-  adding both train ops' micro-batches into one slot would hand each apply
-  the other's micro-batches too. The replicas of one train op share it.
-  """
-  owners = _OWNERS.setdefault(tf.compat.v1.get_default_graph(), {})
-  for n in itertools.count():
-    suffix = '_%d' % n if n else ''
-    slot = opt.get_slot(variable, SLOT_NAME + suffix)
-    if slot is None or owners.get(id(slot)) is owner:
-      return SLOT_NAME + suffix, SLOT_OP_NAME + suffix
-
-
-def create_slot(opt, variable, dtype, owner=None):
-  """Creates (or finds) `variable`'s accumulator slot, owned by `opt`.
-
-  The slot belongs to the wrapped optimizer, as in the original, so that it
-  is saved as `<variable name>/GradientAccumulator` (a partition's as its
-  slice of `<table>/GradientAccumulator`).
+  As the accumulators' initial value (the original's zeros slot) a folded
+  constant pinned 1x the parameter bytes for the session's life. A fill
+  value the graph optimizers cannot know keeps the zeros a run-time tensor,
+  freed after use.
 
   Args:
-    opt: the wrapped `tf.compat.v1.train.Optimizer`.
-    variable: the variable whose gradient it accumulates.
-    dtype: the accumulator's dtype, or None for the variable's.
-    owner: the train op's state: each train op its own slot (`_slot_name`).
+    shape: the shape, a list or a 1-D integer tensor.
+    dtype: the element type.
+    partition_info: unused; part of the initializer signature.
 
   Returns:
-    The slot variable.
-
-  Raises:
-    ValueError: a `dtype` other than the variable's for a variable of unknown
-      static shape.
+    A tensor of zeros.
   """
-  # pylint: disable=protected-access
-  dtype = dtype or variable.dtype.base_dtype
-  slot_name, op_name = _slot_name(opt, variable, owner)
-  if variable.shape.is_fully_defined():
-    slot = opt._get_or_make_slot_with_initializer(
-        variable, kernels.run_time_zeros, variable.shape, dtype, slot_name,
-        op_name)
-  elif dtype == variable.dtype.base_dtype:
-    # Only a variable's value knows its shape: TensorFlow's zeros slot.
-    slot = opt._zeros_slot(variable, slot_name, op_name)
-  else:
-    raise ValueError(
-        'accumulator_dtype=%s needs variables of known shape; %s has shape '
-        '%s.' % (dtype.name, variable.name, variable.shape))
-  checkpoints.add_to_state(slot)
-  _OWNERS[tf.compat.v1.get_default_graph()][id(slot)] = owner
-  return slot
+  del partition_info
+  dtype = tf.as_dtype(dtype).base_dtype
+  zero = tf.compat.v1.placeholder_with_default(tf.constant(0, dtype), [])
+  return tf.fill(shape, zero)
 
 
-def list_of_rows(opt, variable, columns, dtype, owner, device):
-  """`variable`'s list of rows for the train op `owner` (made once).
+def _add(variable, value, scale, handle):
+  """variable += scale * value, in place, in one kernel (SGD's, rate
+  -scale): no temporary. `handle`: a batched one (`compat.handles`), or
+  None for a ref variable."""
+  if handle is None:
+    return tf.raw_ops.ApplyGradientDescent(var=variable, alpha=-scale,
+                                           delta=value).op
+  return tf.raw_ops.ResourceApplyGradientDescent(var=handle, alpha=-scale,
+                                                 delta=value)
 
-  Not a slot of the wrapped optimizer: a slot of a partition inherits its
-  save-slice (a slice of the whole table's shape), which a list of rows
-  does not have. Each list is a variable of its own, saved as
-  `<variable name>/GradientAccumulator` (`table/part_0/GradientAccumulator`
-  for a partition; a second train op's `..._1`), whichever replica or
-  wrapper asks first making it with the dtype asked for.
 
-  Args:
-    opt: the wrapped optimizer: an object-based checkpoint's restore hands
-      it the list's value, as the slot `grad_accum` (`get_slot`).
-    variable: the table (or one partition of it).
-    columns: the list's width (`row_lists.list_columns`).
-    dtype: the accumulator's dtype.
-    owner: the train op's `cycle.TrainOpState`, which keeps it.
-    device: None (beside the variable), or the device of one variable that
-      the replicas share (`distribute.one_variable`).
+def _handle(variable, handle):
+  """`handle`, else `variable`'s own (None for a ref variable)."""
+  if handle is None and not _is_ref(variable):
+    return variable.handle
+  return handle
 
-  Returns:
-    The variable, of no static shape.
+
+def _zero(variable, shared_zeros, handle, in_xla):
+  """Sets every element of `variable` to zero in its own buffer; the op.
+
+  A small variable (at most `SHARED_ZEROS_MAX_BYTES`) is assigned zeros
+  from `shared_zeros`, one tensor per shape, dtype and device made once per
+  apply step. A larger one gets a scatter of one scalar zero over all of
+  its rows: no buffer as large as the variable (assigning its own zeros,
+  the wrapper's peak RSS over a bare micro-batch step was 2.47x the
+  parameter bytes on the benchmark's MLP; this way 1.14x-1.23x, 1x being
+  the accumulators). A scatter switches a resource variable to copy-on-read
+  mode, in which every later dense read copies it; `DisableCopyOnRead`
+  switches it back. Inside XLA, which updates in place by itself, and for a
+  variable without rows, a plain assign.
   """
-  key = id(variable)
-  if key not in owner.lists:
-    placed = (distribute.one_variable(device) if device is not None else
-              tf.compat.v1.colocate_with(variable))
-    with tf.compat.v1.name_scope(None), placed:
-      owner.lists[key] = tf.compat.v1.Variable(
-          lambda: row_lists.empty_list(columns, dtype), dtype=dtype,
-          name=variable.op.name + '/' + SLOT_OP_NAME, trainable=False,
-          validate_shape=False,
-          use_resource=not compat.is_ref_variable(variable))
-    listed = owner.lists[key]
-    checkpoints.add_to_state(listed)
-    compat.restore_slot_variable(opt, slot_name_of(listed), variable, listed)
-    spec = checkpoints.slice_spec(variable)
-    if spec:  # a partition: the original kept slices of one accumulator
-      checkpoints.add_source(
-          listed, checkpoints.save_name(variable) + '/' +
-          listed.op.name.rsplit('/', 1)[-1], spec)
-  return owner.lists[key]
+  dtype = variable.dtype.base_dtype
+  if not variable.shape.rank or in_xla:
+    return variable.assign(run_time_zeros(tf.shape(variable), dtype),
+                           read_value=False)
+  shape = variable.shape
+  handle = _handle(variable, handle)
+  if (shape.is_fully_defined() and
+      shape.num_elements() * dtype.size <= SHARED_ZEROS_MAX_BYTES):
+    key = (tuple(shape.as_list()), dtype, variable.device)
+    if key not in shared_zeros:
+      with tf.control_dependencies(None):  # made once, not after one reset
+        shared_zeros[key] = run_time_zeros(shape.as_list(), dtype)
+    if handle is None:
+      return tf.compat.v1.assign(variable, shared_zeros[key]).op
+    return tf.raw_ops.AssignVariableOp(resource=handle,
+                                       value=shared_zeros[key])
+  rows = tf.compat.dimension_value(shape[0])
+  if rows is None:  # known at run time only: read where the variable is
+    rows = compat.variable_shape(variable)[0]
+  with tf.device(compat.host_device(variable.device)):
+    # On the host, as shapes are, and at run time: a folded constant of row
+    # ids would stay for the session's life (8 bytes a row).
+    rows = tf.range(tf.compat.v1.placeholder_with_default(
+        tf.cast(rows, tf.int64), []))
+  zero_value = tf.zeros([], dtype)
+  if handle is None:
+    return tf.compat.v1.scatter_update(variable, rows, zero_value).op
+  zeroed = tf.raw_ops.ResourceScatterUpdate(resource=handle, indices=rows,
+                                            updates=zero_value)
+  with tf.control_dependencies([zeroed]):
+    return tf.raw_ops.DisableCopyOnRead(resource=handle)
 
 
-def slot_name_of(accumulator):
-  """The slot name (`grad_accum`, `grad_accum_1`, ...) of an accumulator."""
-  return SLOT_NAME + accumulator.op.name.rsplit(SLOT_OP_NAME, 1)[-1]
+def _dense(gradient, dtype):
+  """A gradient (Tensor or IndexedSlices) as a dense tensor of `dtype`."""
+  if isinstance(gradient, tf.IndexedSlices):
+    gradient = tf.convert_to_tensor(gradient)
+  return tf.cast(gradient, dtype)
+
+
+def _divided(values, length):
+  """`values / length`, in their dtype (`length`: an int or an int64)."""
+  if isinstance(length, int):
+    return values / length
+  return values * tf.math.reciprocal(tf.cast(length, values.dtype))
 
 
 class DenseAccumulator(object):
   """Accumulates dense gradients in place, and zeroes them in place.
 
-  Under a multi-replica strategy the slot is a distributed variable; each
-  replica adds into, reads and resets its own component (`local`). `add`
-  and `reset` take the component's handle from `kernels.handles`.
-
   Args:
     slot: the accumulator variable.
+    local: this replica's component of it (the slot itself without one).
+    in_xla: built inside an XLA computation.
   """
 
-  in_place = True  # `Accumulators` batches its handle and read (`kernels`)
-  shared = False  # each replica its own (see `row_lists`)
+  in_place = True  # added, read and zeroed by batched handles
+  shared = False  # each replica its own
 
-  def __init__(self, slot):
+  def __init__(self, slot, local, in_xla=False):
     self.slot = slot
+    self.local = local
+    self._in_xla = in_xla
 
-  @property
-  def local(self):
-    """This replica's component of the slot (the slot itself without one)."""
-    return compat.local_variable(self.slot)
-
-  def mark(self):
-    """Records one micro-step; only a table's accumulator keeps a record."""
-    return tf.no_op()
-
-  def _dense(self, gradient):
-    if isinstance(gradient, tf.IndexedSlices):
-      gradient = tf.convert_to_tensor(gradient)
-    return tf.cast(gradient, self.slot.dtype.base_dtype)
-
-  def add(self, gradient, divisor, handle=None):
-    """accumulator += gradient / divisor, in place, in one kernel."""
-    variable = self.local
-    checks = []  # a table's (sparse_as_dense): see `row_lists.check_dense`
-    if isinstance(gradient, tf.IndexedSlices) and not compat.in_xla_context():
-      checks = [row_lists.check_dense(variable)]
+  def add(self, gradient, scale, handle):
+    """accumulator += scale * gradient (scale: 1/length, in its dtype)."""
+    checks = []  # a table's, densified (sparse_as_dense): see `check_dense`
+    if isinstance(gradient, tf.IndexedSlices) and not self._in_xla:
+      checks = [check_dense(self.local)]
     with tf.control_dependencies(checks):
-      gradient = self._dense(gradient)
-    return kernels.add(variable, gradient,
-                       divisor.reciprocal(variable.dtype.base_dtype), handle)
+      gradient = _dense(gradient, self.local.dtype.base_dtype)
+    return _add(self.local, gradient, scale, handle)
 
-  def read(self, length):
-    """The accumulated gradient of the cycle's `length` micro-steps."""
-    del length  # the tensor holds it all
+  def read(self):
+    """The cycle's sum (read by the batched read, `Accumulators.read`)."""
     return self.local.read_value()
 
-  def reset(self, after, gradient, shared_zeros=None, handle=None):
-    """Zeroes the accumulator in place once `after` has run; returns the op.
-
-    See `kernels.zero`. `Accumulators.reset` runs the resets one after
-    another, so that a reset's transients are one variable's.
-    """
+  def reset(self, after, gradient, shared_zeros, handle):
+    """Zeroes the accumulator in place once `after` has run; the op."""
     del gradient
     with tf.control_dependencies([after]):
-      return kernels.zero(self.local, shared_zeros, handle)
+      return _zero(self.local, shared_zeros, handle, self._in_xla)
 
 
 class ShardedAccumulator(DenseAccumulator):
   """A dense accumulator whose reads carry the XLA sharding rule.
 
   Args:
-    slot: the accumulator variable.
+    slot, local, in_xla: as `DenseAccumulator`'s.
     num_partitions: `xla_num_partitions`.
   """
 
   in_place = False
 
-  def __init__(self, slot, num_partitions):
-    super(ShardedAccumulator, self).__init__(slot)
+  def __init__(self, slot, local, in_xla, num_partitions):
+    super(ShardedAccumulator, self).__init__(slot, local, in_xla)
     self._num_partitions = num_partitions
 
-  def add(self, gradient, divisor, handle=None):
-    """accumulator = sharded(accumulator) + gradient / divisor."""
+  def add(self, gradient, length, handle=None):
+    """accumulator = sharded(accumulator) + gradient / length."""
     del handle
-    local = self.local
-    current = sharding.shard(local.read_value(), self._num_partitions)
-    return local.assign(
-        current + divisor.divide(self._dense(gradient)), read_value=False)
+    current = sharding.shard(self.local.read_value(), self._num_partitions)
+    gradient = _dense(gradient, self.local.dtype.base_dtype)
+    return self.local.assign(current + _divided(gradient, length),
+                             read_value=False)
 
+
+# ---------------------------------------------------------------- tables --
+
+def ids_of(gradient):
+  """An IndexedSlices' row ids, flat, as int64."""
+  return tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)
+
+
+def sum_by_id(ids, rows):
+  """(unique ids, rows of equal ids added up in their order)."""
+  unique, positions = tf.unique(ids)
+  return unique, tf.math.unsorted_segment_sum(rows, positions,
+                                              tf.size(unique))
+
+
+def nonzero_rows(value):
+  """The int64 indices of `value`'s rows that are not all zero."""
+  nonzero = tf.not_equal(value, 0)
+  if value.shape.rank > 1:
+    nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
+  return tf.reshape(tf.where(nonzero), [-1])
+
+
+def _id_columns(dtype):
+  """Columns of `dtype` that hold a row id (8 bytes) in a list of rows."""
+  return 8 // dtype.size
+
+
+def list_columns(variable, dtype):
+  """A `RowListAccumulator`'s columns for `variable` in `dtype`, or None.
+
+  None where that kind cannot hold `variable`'s rows: a shape unknown at
+  graph build, or a dtype wider than an id (8 bytes).
+  """
+  if not variable.shape.is_fully_defined() or dtype.size > 8:
+    return None
+  return _id_columns(dtype) + variable.shape[1:].num_elements()
+
+
+def empty_list(columns, dtype):
+  """A list of no rows (its header: 0 rows) and no room, of no static
+  shape: the list grows (also to a restored dense accumulator's shape), and
+  graph optimizers must not fold it."""
+  return tf.compat.v1.placeholder_with_default(tf.zeros([1, columns], dtype),
+                                               None)
+
+
+def _recorded_length(row, dtype):
+  """The int64 that a list's header, `row` (row 0), records in its id
+  columns; meaningless for another value, of any shape."""
+  id_columns = _id_columns(dtype)
+  head = tf.concat([tf.reshape(row, [-1]), tf.zeros([id_columns], dtype)], 0)
+  return tf.bitcast(head[:id_columns] if id_columns > 1 else head[0],
+                    tf.int64)
+
+
+def check_dense(variable):
+  """An op that makes sure `variable`, a dense table accumulator, is dense.
+
+  A restore takes any shape into a resource variable (that of a ref
+  variable fails on another shape), and a checkpoint written with
+  `sparse_as_dense=False` holds a `RowListAccumulator`'s list of rows
+  there: an empty one (saved at a cycle's end, n = 0) becomes zeros; a
+  list of rows fails loudly (a dense kernel would add ids and all).
+
+  Returns:
+    The op, to run before the accumulator is used.
+  """
+  if _is_ref(variable):
+    return tf.no_op()  # a ref variable's restore checks the shape itself
+  shape = tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)
+  static = variable.shape.as_list()
+  name = variable.op.name.split('/replica_')[0]
+
+  def from_list():
+    dtype = variable.dtype.base_dtype
+    row = tf.raw_ops.ResourceGather(resource=variable.handle, indices=[0],
+                                    dtype=dtype)
+    empty = tf.debugging.Assert(tf.logical_and(
+        tf.equal(shape[-1], list_columns(variable, dtype) or -1),
+        tf.equal(_recorded_length(row, dtype), 0)), [(
+            '%s holds a list of the rows looked up, from a checkpoint written '
+            'mid-cycle with sparse_as_dense=False; with sparse_as_dense=True '
+            '(and inside XLA, and under MultiWorkerMirroredStrategy) a table '
+            'is accumulated densely. Resume that checkpoint as it was '
+            'written, or from one written at a cycle\'s end.' % name)])
+    with tf.control_dependencies([empty]):
+      # Not `assign`, which checks the shape the restore changed.
+      return tf.raw_ops.AssignVariableOp(
+          resource=variable.handle, validate_shape=False,
+          value=run_time_zeros(static, variable.dtype.base_dtype))
+
+  is_dense = tf.reduce_all(tf.equal(shape, tf.constant(static, tf.int64)))
+  return compat.cond(is_dense, tf.no_op, from_list)
+
+
+class RowListAccumulator(object):
+  """A table's accumulator in memory proportional to the rows looked up.
+
+  The list `<table>/GradientAccumulator` is a variable of shape
+  [1 + capacity, id columns + row width]. Row 0 is a header: the number n
+  of rows listed, an int64 bitcast into the id columns. Rows 1 to n each
+  hold an int64 id, its 8 bytes bitcast into the first columns
+  (`_id_columns`), then that row's gradient; the rows after them are free.
+  Ids and rows stay in one variable, under the original's name, so that
+  every Saver (also one given `tf.compat.v1.global_variables()`) saves the
+  partial sums, and the original's checkpoints (a dense accumulator under
+  that name) restore into it. Each micro-step writes its rows (divided by
+  the cycle's length) and the new header in place, one scatter: its cost
+  follows its own rows, not the list's or the table's. Where they do not
+  fit, the list is rebuilt with up to twice the room, first added up by id
+  where it is longer than the table. The apply step hands the list on as an
+  `IndexedSlices`, a row per id looked up, repeated ids and all, as the
+  large batch's gradient holds them, also a row whose sum is exactly zero
+  (a masked padding id); the reset sets n to 0.
+
+  A restored dense accumulator (the original's) becomes the list of its
+  non-zero rows at the next micro-step. Under a multi-replica strategy in
+  one process the replicas share one list: each replica's micro-step only
+  packs its rows (`rows`), appended in replica order where they meet
+  (`append`); the first replica hands the cycle's rows on, the others an
+  empty `IndexedSlices`, and the wrapped optimizer's all-reduce adds them
+  up. A checkpoint holds the list as one process's would.
+
+  Args:
+    slot: the list variable, of unknown static shape (`list_of_rows`).
+    variable: the table (or one partition of it).
+    dtype: the accumulator's dtype.
+    replica: None with one replica; else this replica's index, among
+      replicas that share the list.
+  """
+
+  in_place = False
+
+  def __init__(self, slot, variable, dtype, replica=None):
+    self.slot = self.local = slot
+    self.shared = replica is not None
+    self._first = not replica  # reads and resets the list
+    self._dtype = dtype
+    self._dense_shape = variable.shape
+    self._id_columns = _id_columns(dtype)
+    self._columns = list_columns(variable, dtype)
+
+  def _pack(self, ids, rows):
+    ids = tf.reshape(tf.bitcast(ids, self._dtype), [-1, self._id_columns])
+    rows = tf.reshape(rows, [-1, self._columns - self._id_columns])
+    return tf.concat([ids, rows], 1)
+
+  def _unpack(self, listed):
+    """(int64 ids, rows as [n, row width]) of listed rows."""
+    ids = listed[:, :self._id_columns]
+    ids = tf.bitcast(ids if self._id_columns > 1 else ids[:, 0], tf.int64)
+    return ids, listed[:, self._id_columns:]
+
+  def _header(self, length):
+    """Row 0 of a list of `length` rows."""
+    return self._pack(tf.reshape(length, [1]),
+                      tf.zeros([1, self._columns - self._id_columns],
+                               self._dtype))
+
+  def _gather(self, indices):
+    if _is_ref(self.slot):
+      # A read made here, in this cond: not the variable's snapshot, which
+      # may run before a rebuild in the same run and keep the old buffer.
+      return tf.gather(self.slot.read_value(), indices)
+    return self.slot.sparse_read(indices)
+
+  def _state(self):
+    """(is a list, its length n, its capacity): no read of the whole list.
+
+    Not a list: a dense accumulator that a restore put there (n is then
+    meaningless)."""
+    if _is_ref(self.slot):  # see _gather
+      shape = tf.shape(self.slot.read_value(), out_type=tf.int64)
+    else:
+      shape = compat.variable_shape(self.slot)
+    is_list = tf.logical_and(tf.equal(tf.size(shape), 2),
+                             tf.equal(shape[-1], self._columns))
+    length = _recorded_length(self._gather([0]), self._dtype)
+    return is_list, length, shape[0] - 1
+
+  def _listed(self, is_list, length):
+    """The listed rows; a restored dense accumulator's non-zero rows."""
+    def from_dense():
+      dense = tf.reshape(self.slot.read_value(),
+                         [-1, self._columns - self._id_columns])
+      ids = nonzero_rows(dense)
+      return self._pack(ids, tf.gather(dense, ids))
+    return compat.cond(
+        is_list, lambda: self._gather(tf.range(1, length + 1)), from_dense)
+
+  def _assign(self, value):
+    if _is_ref(self.slot):
+      return tf.compat.v1.assign(self.slot, value, validate_shape=False).op
+    return self.slot.assign(value, read_value=False)
+
+  def _scatter(self, indices, rows):
+    """Writes `rows` at `indices`, in place; returns the op."""
+    if _is_ref(self.slot):
+      return tf.compat.v1.scatter_update(self.slot, indices, rows).op
+    return self.slot.scatter_update(tf.IndexedSlices(rows, indices)).op
+
+  def rows(self, gradient, length):
+    """The rows looked up (/ `length`), each beside its id: a list's part."""
+    rows = _divided(tf.cast(gradient.values, self._dtype), length)
+    return self._pack(ids_of(gradient), rows)
+
+  def add(self, gradient, length):
+    """Appends the rows looked up (/ `length`); shared: see `append`."""
+    if self.shared:
+      return tf.no_op()
+    return self.append([self.rows(gradient, length)])
+
+  def append(self, parts):
+    """Appends `parts` (from `rows`, in replica order) to the list."""
+    with tf.device(self.slot.device):
+      new = tf.concat(list(parts), 0)
+      added = tf.shape(new, out_type=tf.int64)[0]
+      is_list, length, capacity = self._state()
+      fits = tf.logical_and(is_list, tf.logical_and(
+          length >= 0, length + added <= capacity))
+
+      def write():
+        return self._scatter(
+            tf.concat([[0], tf.range(length + 1, length + added + 1)], 0),
+            tf.concat([self._header(length + added), new], 0))
+
+      def rebuild():
+        listed = self._listed(is_list, length)
+        table_rows = self._dense_shape.as_list()[0]
+        listed = compat.cond(
+            tf.shape(listed, out_type=tf.int64)[0] <= table_rows,
+            lambda: listed, lambda: self._pack(*sum_by_id(
+                *self._unpack(listed))))
+        listed = tf.concat([listed, new], 0)
+        count = tf.shape(listed, out_type=tf.int64)[0]
+        room = tf.maximum(count, tf.minimum(2 * count, table_rows + added))
+        return self._assign(tf.concat([
+            self._header(count), listed,
+            tf.zeros(tf.stack([room - count, self._columns]), self._dtype)],
+                                      0))
+
+      return compat.cond(fits, write, rebuild)
+
+  def read(self):
+    """The cycle's rows as IndexedSlices."""
+    if self._first:  # as the large batch's: repeated ids and all
+      is_list, count, _ = self._state()
+      ids, rows = self._unpack(self._listed(is_list, count))
+    else:  # the first replica hands on the shared list's rows
+      ids, rows = self._unpack(tf.zeros([0, self._columns], self._dtype))
+    rows = tf.reshape(rows, [-1] + self._dense_shape[1:].as_list())
+    return tf.IndexedSlices(rows, ids,
+                            tf.constant(self._dense_shape.as_list(), tf.int64))
+
+  def reset(self, after, gradient, shared_zeros=None, handle=None):
+    """Empties the list once `after` has run (keeping its room); the op."""
+    del gradient, shared_zeros, handle
+    with tf.control_dependencies([after]):
+      if not self._first:
+        return tf.no_op()
+      is_list, _, _ = self._state()
+      return compat.cond(
+          is_list,
+          lambda: self._scatter([0], self._header(tf.constant(0, tf.int64))),
+          lambda: self._assign(empty_list(self._columns, self._dtype)))
+
+
+def _host_queue(variable, suffix, dtypes, shapes, host):
+  """An unbounded FIFO queue on `host`, named after `variable`."""
+  with tf.device(host):
+    return tf.queue.FIFOQueue(
+        2**31 - 1, dtypes, shapes=shapes,
+        name=variable.op.name.replace('/', '_') + suffix)
+
+
+class TableSizedAccumulator(object):
+  """A table's accumulator where shapes must be static: table-sized.
+
+  Inside an XLA computation (a TPU rewrite, `xla.compile`) only static
+  shapes compile, and the rows a cycle touches are not static; under
+  `MultiWorkerMirroredStrategy` the workers all-reduce a table's rows by
+  gathering slices that must keep one length from run to run. There the
+  accumulator is a table-sized slot, as the original's, that each
+  micro-step scatter-adds its rows into (duplicates add up, as in the
+  dense gradient): its cost follows the rows looked up. Inside XLA the
+  apply step hands on the whole accumulator, densely, as the original did.
+  Across workers a queue on the host records the ids each micro-step
+  looked up (with one marker per micro-step); the apply step takes them,
+  removes duplicates, and gathers, hands on and zeroes only those rows,
+  padded to as many as a cycle looks up (or the table holds) with zero rows
+  at an id some worker holds (`distribute.of_fixed_length`): also a row
+  whose sum is exactly zero is handed on. The queue is not in checkpoints:
+  a session that has not seen a whole cycle (restored mid-cycle) finds
+  fewer markers than the cycle's length and reads the whole accumulator
+  once (a row touched only before the restore and summing to exactly zero
+  is then left out).
+
+  Args:
+    slot: the accumulator variable.
+    local: this replica's component of it.
+    num_partitions: `xla_num_partitions`, for full reads.
+    in_xla: built inside an XLA computation (no queue; a dense hand-off).
+    cycle_rows: across workers, the most rows a cycle looks up where known
+      at graph build (else None: as many as the table holds).
+  """
+
+  in_place = False
+  shared = False
+
+  def __init__(self, slot, local, num_partitions=None, in_xla=False,
+               cycle_rows=None):
+    self.slot = slot
+    self.local = local
+    self._cycle_rows = cycle_rows
+    self._num_partitions = num_partitions
+    self._in_xla = in_xla
+    self._rows = None
+    # The record of row ids, and the work on it, stay on the host: queues
+    # have no GPU kernels. Only the gathers and scatters touch the device.
+    self._host = compat.host_device(local.device)
+    if not in_xla:
+      self._rows = _host_queue(local, '_touched_rows', [tf.int64], [[]],
+                               self._host)
+
+  def add(self, gradient, length):
+    """Scatter-adds the rows looked up (/ `length`), and records them."""
+    dtype = self.slot.dtype.base_dtype
+    # Inside XLA (no queue) no restore can have changed the shape.
+    checks = [] if self._rows is None else [check_dense(self.local)]
+    with tf.control_dependencies(checks):
+      added = self.local.scatter_add(tf.IndexedSlices(
+          _divided(tf.cast(gradient.values, dtype), length),
+          gradient.indices))
+    if self._rows is None:
+      return added
+    with tf.device(self._host):
+      recorded = self._rows.enqueue_many([ids_of(gradient)])
+    return tf.group(added, recorded)
+
+  def mark(self):
+    """Records one micro-step (added or skipped): run it on every one."""
+    if self._rows is None:
+      return tf.no_op()
+    with tf.device(self._host):
+      return self._rows.enqueue(tf.constant(-1, tf.int64))
+
+  def read(self, length):
+    """The accumulated gradient: IndexedSlices over the touched rows.
+
+    (Inside XLA: the dense accumulator.)
+    """
+    if self._rows is None:
+      return sharding.shard(self.local.read_value(), self._num_partitions)
+    with tf.device(self._host):
+      recorded = self._rows.dequeue_many(self._rows.size())
+      is_row = recorded >= 0
+      rows, _ = tf.unique(tf.boolean_mask(recorded, is_row))
+      complete = tf.greater_equal(
+          tf.reduce_sum(tf.cast(tf.logical_not(is_row), tf.int64)),
+          tf.cast(length, tf.int64))
+
+    def from_record():
+      return tf.gather(self.local, rows), rows
+
+    def from_scan():
+      # Also the rows this session recorded: only a row touched before the
+      # restore alone and summing to exactly zero is left out, once.
+      value = sharding.shard(self.local.read_value(), self._num_partitions)
+      scanned, _ = tf.unique(tf.concat([nonzero_rows(value), rows], 0))
+      return tf.gather(value, scanned), scanned
+
+    values, rows = compat.cond(complete, from_record, from_scan)
+    gradient = tf.IndexedSlices(values, rows,
+                                dense_shape=compat.variable_shape(self.local))
+    # The workers' all-reduces gather slices of one length only: as many as
+    # a cycle looks up, or the table holds, whichever is fewer.
+    size = tf.cast(gradient.dense_shape[0], tf.int64)
+    if self._cycle_rows is not None:
+      size = tf.minimum(size, self._cycle_rows)
+    return distribute.of_fixed_length(gradient, size)
+
+  def reset(self, after, gradient, shared_zeros, handle=None):
+    """Zeroes the rows `gradient` (what `read` gave) holds, after `after`."""
+    del handle
+    with tf.control_dependencies([after]):
+      if not isinstance(gradient, tf.IndexedSlices):  # inside XLA
+        return _zero(self.local, shared_zeros, None, True)
+      dtype = self.slot.dtype.base_dtype
+      return self.local.scatter_update(
+          tf.IndexedSlices(tf.zeros_like(gradient.values, dtype),
+                           gradient.indices))
+
+
+# ------------------------------------------------------ one train op's --
 
 # What `read` returns: the cycle's sums; for `reset`, the handles the
 # in-place kernels used ({index: handle}); and per sum, whether this replica
 # holds all of the sum over replicas or none of it (a table's list that the
-# replicas share), for `numerics.clip_by_global_norm`.
+# replicas share), for clipping by the global norm.
 Read = collections.namedtuple('Read', ['gradients', 'handles', 'whole'])
 
 
@@ -254,32 +640,57 @@ class Accumulators(object):
     self._accumulators = list(accumulators)
 
   def _handles(self):
-    """{index: handle} of the in-place kinds (`kernels.handles`)."""
+    """{index: handle} of the in-place kinds (`compat.handles`)."""
     indices = [i for i, a in enumerate(self._accumulators) if a.in_place]
-    handles = kernels.handles([self._accumulators[i].local for i in indices])
-    return dict(zip(indices, handles))
+    found = compat.handles([self._accumulators[i].local for i in indices])
+    return dict(zip(indices, found))
 
-  def add(self, gradients, divisor):
-    """An op adding each `gradient / divisor` to its accumulator."""
-    handles = self._handles()
-    return tf.group(*[
-        accumulator.add(gradient, divisor, handles[index])
-        if accumulator.in_place else accumulator.add(gradient, divisor)
-        for index, (accumulator, gradient) in enumerate(
-            zip(self._accumulators, gradients))], name='accumulate')
+  def add(self, gradients, length, finite=None):
+    """Adds each `gradient / length` to its accumulator.
 
-  def mark(self):
-    """Ops to run on every micro-step, added or skipped."""
-    return [accumulator.mark() for accumulator in self._accumulators]
+    Args:
+      gradients: the micro-step's (weighed) gradients, in order.
+      length: the cycle's length (an int, or an int64 scalar).
+      finite: None, or a boolean scalar: False adds nothing (a skipped
+        micro-batch is still marked where a table keeps a record).
 
-  def shared_rows(self, gradients, divisor, finite):
-    """{index: rows} for the lists the replicas share (`row_lists`), which
-    `add` left out: none where `finite` (None: always) is False."""
+    Returns:
+      (the op, {index: rows} of the lists the replicas share, which it left
+      out: they are appended where the replicas meet, `append_shared`).
+    """
+    def add_all():
+      handles = self._handles()
+      scales = {}  # 1/length in each dtype: one op for all of a dtype
+      added = []
+      for index, (accumulator, gradient) in enumerate(
+          zip(self._accumulators, gradients)):
+        if accumulator.in_place:
+          dtype = accumulator.local.dtype.base_dtype
+          if dtype not in scales:
+            scales[dtype] = (tf.constant(1.0 / length, dtype)
+                             if isinstance(length, int) else
+                             tf.math.reciprocal(tf.cast(length, dtype)))
+          added.append(accumulator.add(gradient, scales[dtype],
+                                       handles[index]))
+        else:
+          added.append(accumulator.add(gradient, length))
+      return tf.group(*added, name='accumulate')
+
+    added = add_all() if finite is None else compat.cond(finite, add_all,
+                                                         tf.no_op)
+    marks = [a.mark() for a in self._accumulators
+             if isinstance(a, TableSizedAccumulator)]
+    return (tf.group(added, *marks) if marks else added,
+            self._shared_rows(gradients, length, finite))
+
+  def _shared_rows(self, gradients, length, finite):
+    """{index: rows} for the lists the replicas share: none where `finite`
+    (None: always) is False."""
     shared = {}
     for index, (accumulator, gradient) in enumerate(
         zip(self._accumulators, gradients)):
       if accumulator.shared:
-        rows = accumulator.rows(gradient, divisor)
+        rows = accumulator.rows(gradient, length)
         if finite is not None:  # a skipped micro-step's: no rows
           rows = rows[:tf.shape(rows)[0] * tf.cast(finite, tf.int32)]
         shared[index] = rows
@@ -291,20 +702,22 @@ class Accumulators(object):
         [rows[index] for rows in rows_of_replicas])
             for index in sorted(rows_of_replicas[0])]
 
-  def read(self, length, micro_step):
-    """A `Read`: the cycle's sums (its `length` micro-steps), in order.
-
-    `micro_step`: this micro-step's gradients, which `add` has added.
-    """
-    del micro_step
-    handles = self._handles()
-    indices = sorted(handles)
-    values = dict(zip(indices, kernels.read(
-        [self._accumulators[i].local for i in indices],
-        [handles[i] for i in indices])))
-    return Read([values[i] if i in values else accumulator.read(length)
-                 for i, accumulator in enumerate(self._accumulators)],
-                handles, [a.shared for a in self._accumulators])
+  def read(self, length):
+    """A `Read`: the cycle's sums (of its `length` micro-steps), in order."""
+    indices = [i for i, a in enumerate(self._accumulators) if a.in_place]
+    found, read_values = compat.read(
+        [self._accumulators[i].local for i in indices])
+    handles = dict(zip(indices, found))
+    values = dict(zip(indices, read_values))
+    gradients = []
+    for index, accumulator in enumerate(self._accumulators):
+      if index in values:
+        gradients.append(values[index])
+      elif isinstance(accumulator, TableSizedAccumulator):
+        gradients.append(accumulator.read(length))
+      else:
+        gradients.append(accumulator.read())
+    return Read(gradients, handles, [a.shared for a in self._accumulators])
 
   def reset(self, after, read):
     """An op emptying each accumulator after `after`, one after another.
@@ -318,14 +731,11 @@ class Accumulators(object):
     """
     previous = after
     resets = []
-    shared_zeros = {}  # small variables' zeros, one per shape (`kernels`)
+    shared_zeros = {}  # small accumulators' zeros, one per shape
     for index, (accumulator, gradient) in enumerate(
         zip(self._accumulators, read.gradients)):
-      if accumulator.in_place:
-        previous = accumulator.reset(previous, gradient, shared_zeros,
-                                     read.handles[index])
-      else:
-        previous = accumulator.reset(previous, gradient, shared_zeros)
+      previous = accumulator.reset(previous, gradient, shared_zeros,
+                                   read.handles.get(index))
       resets.append(previous)
     return tf.group(*resets)
 
@@ -335,110 +745,220 @@ class PassThrough(object):
 
   Args:
     sparse: hand IndexedSlices on as they are (else densified).
+    gradients: the micro-step's gradients, handed on by `read`.
   """
 
   def __init__(self, sparse):
     self._sparse = sparse
+    self._gradients = []
 
-  def add(self, gradients, divisor):
-    del gradients, divisor
-    return tf.no_op()
-
-  def mark(self):
-    return []
-
-  def shared_rows(self, *unused):
-    return {}
+  def add(self, gradients, length, finite=None):
+    del length, finite
+    self._gradients = list(gradients)
+    return tf.no_op(), {}
 
   def append_shared(self, unused):
     return []
 
-  def read(self, length, micro_step):
+  def read(self, length):
     del length
-    return Read([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
-                 and not self._sparse else g for g in micro_step], {},
-                [False] * len(micro_step))
+    gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
+                 and not self._sparse else g for g in self._gradients]
+    return Read(gradients, {}, [False] * len(gradients))
 
   def reset(self, after, read):
     del read
     return after
 
 
-def _create(opt, variable, gradient, sparse, dtype, num_partitions, in_xla,
-            local, owner, replica):
-  """Creates `variable`'s accumulator of the kind its gradient needs.
+# -------------------------------------------------------------- creation --
 
-  Args:
-    opt: the wrapped optimizer, which owns the slot.
-    variable: the variable.
-    gradient: its gradient (a Tensor or an IndexedSlices).
-    sparse: accumulate an IndexedSlices gradient row by row.
-    dtype: `accumulator_dtype`, or None.
-    num_partitions: `xla_num_partitions`, or None.
-    in_xla: built inside an XLA computation (see `tables`).
-    local: None, or a `placement.WorkerLocal` (variables on parameter
-      servers): the accumulator is then the worker's own, not a slot.
-    owner: the train op's state (see `create_slot`).
-    replica: None, or this replica's index where several share a table's
-      `row_lists.RowListAccumulator`.
+def _slot_name(opt, variable, owner, graph):
+  """(slot name, op name) of `owner`'s accumulator of `variable`.
+
+  The first train op to accumulate `variable` through `opt` gets the
+  original's names; another train op of the same wrapped optimizer on the
+  same variable (a shared trunk under two losses) gets its own slot,
+  `grad_accum_1` saved as `<variable>/GradientAccumulator_1`, and so on:
+  adding both train ops' micro-batches into one slot would hand each apply
+  the other's micro-batches too. The replicas of one train op share it.
+  """
+  owners = graph.get_collection(_OWNERS)
+  for n in itertools.count():
+    suffix = '_%d' % n if n else ''
+    slot = opt.get_slot(variable, SLOT_NAME + suffix)
+    if slot is None or any(s is slot and o is owner for s, o in owners):
+      return SLOT_NAME + suffix, SLOT_OP_NAME + suffix
+
+
+def _create_slot(opt, variable, dtype, owner):
+  """Creates (or finds) `variable`'s accumulator slot, owned by `opt`.
+
+  The slot belongs to the wrapped optimizer, as in the original, so that it
+  is saved as `<variable name>/GradientAccumulator` (a partition's as its
+  slice of `<table>/GradientAccumulator`), by the slot functions the
+  original used.
+
+  Raises:
+    ValueError: an `accumulator_dtype` other than the variable's for a
+      variable of unknown static shape.
+  """
+  # pylint: disable=protected-access
+  slot_name, op_name = _slot_name(opt, variable, owner, variable.graph)
+  if variable.shape.is_fully_defined():
+    slot = opt._get_or_make_slot_with_initializer(
+        variable, run_time_zeros, variable.shape, dtype, slot_name, op_name)
+  elif dtype == variable.dtype.base_dtype:
+    # Only a variable's value knows its shape: TensorFlow's zeros slot.
+    slot = opt._zeros_slot(variable, slot_name, op_name)
+  else:
+    raise ValueError(
+        'accumulator_dtype=%s needs variables of known shape; %s has shape '
+        '%s.' % (dtype.name, variable.name, variable.shape))
+  slot.graph.add_to_collection(_OWNERS, (slot, owner))
+  return slot
+
+
+def _list_of_rows(variable, columns, dtype, owner, device):
+  """`variable`'s list of rows for the train op `owner` (made once).
+
+  Not a slot of the wrapped optimizer: a slot of a partition inherits its
+  save-slice (a slice of the whole table's shape), which a list of rows
+  does not have. Each list is a variable of its own, saved as
+  `<variable name>/GradientAccumulator` (`table/part_0/GradientAccumulator`
+  for a partition; a second train op's `..._1`), whichever replica or
+  wrapper asks first making it, with the dtype asked for.
 
   Returns:
-    A `DenseAccumulator`, `ShardedAccumulator`,
-    `row_lists.RowListAccumulator` or `tables.SparseAccumulator`.
+    (the variable, of no static shape, whether this call made it).
   """
-  arguments.check_accumulator_width(dtype, variable)
-  dtype = dtype or variable.dtype.base_dtype
-  table = sparse and isinstance(gradient, tf.IndexedSlices)
-  name = variable.op.name + '/' + SLOT_OP_NAME
-  columns = row_lists.list_columns(variable, dtype) if table else None
-  if local is not None:  # the worker's own, not a slot (see `placement`)
-    if columns is not None:
-      return row_lists.RowListAccumulator(local.variable(
-          name, lambda: row_lists.empty_list(columns, dtype), dtype,
-          list_of_rows=True), variable, dtype)
-    shape = variable.shape
-    return DenseAccumulator(local.variable(
-        name, lambda: kernels.run_time_zeros(shape, dtype), dtype))
-  # Workers all-reduce a table's rows by gathering slices of one length.
-  all_reduced = not in_xla and distribute.in_multi_worker_mode(
-      tf.distribute.get_strategy())
-  if columns is not None and not (in_xla or all_reduced):
-    # Several replicas share one list, where the first one's table is.
-    device = None if replica is None else compat.host_device(variable.device)
-    listed = list_of_rows(opt, variable, columns, dtype, owner, device)
-    return row_lists.RowListAccumulator(listed, variable, dtype, replica)
-  slot = create_slot(opt, variable, dtype, owner)
-  if table:
-    return tables.SparseAccumulator(
-        slot, num_partitions, in_xla, all_reduced,
-        _cycle_rows(gradient, owner) if all_reduced else None)
-  if num_partitions is None:
-    return DenseAccumulator(slot)
-  return ShardedAccumulator(slot, num_partitions)
+  key = id(variable)
+  if key in owner.lists:
+    return owner.lists[key], False
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(tf.compat.v1.name_scope(None))
+    if device is None:
+      stack.enter_context(tf.compat.v1.colocate_with(variable))
+    else:  # one plain variable for the replicas, not one each
+      stack.enter_context(tf.compat.v1.variable_creator_scope(
+          compat.one_variable_creator(device)))
+    owner.lists[key] = tf.compat.v1.Variable(
+        lambda: empty_list(columns, dtype), dtype=dtype,
+        name=variable.op.name + '/' + SLOT_OP_NAME, trainable=False,
+        validate_shape=False, use_resource=not _is_ref(variable))
+  return owner.lists[key], True
+
+
+def slot_name_of(accumulator):
+  """The slot name (`grad_accum`, `grad_accum_1`, ...) of an accumulator."""
+  return SLOT_NAME + accumulator.op.name.rsplit(SLOT_OP_NAME, 1)[-1]
 
 
 def _cycle_rows(gradient, owner):
-  """The most rows a cycle of `owner` (a train op's state) looks up with
-  `gradient`: micro-steps times ids, where both are known at graph build;
-  else None."""
+  """The most rows a cycle of `owner` looks up with `gradient`: micro-steps
+  times ids, where both are known at graph build; else None."""
   ids = gradient.indices.shape.num_elements()
-  steps = owner.cycle.grad_steps if owner is not None else None
+  steps = owner.cycle.grad_steps
   return ids * steps if ids and steps else None
 
 
-def create(opt, grads_and_vars, sparse, dtype=None, num_partitions=None,
-           in_xla=False, local=None, owner=None):
+def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
+           in_xla=False, local=None, multi_worker=False):
   """A replica's `Accumulators` for the (gradient, variable) pairs.
 
-  Per replica and saved as their sum under a multi-replica strategy (see
-  `distribute.summed_on_save`). Call it under `tf.init_scope()`; the
-  arguments are `_create`'s.
+  Call it under `tf.init_scope()`. Under a multi-replica strategy each
+  replica calls it: each replica adds into its own component of each dense
+  accumulator (saved as their sum, `distribute.summed_on_save`), and the
+  replicas share a table's list of rows (where only public APIs are used, a
+  table gets a table-sized accumulator there instead).
+
+  Args:
+    opt: the wrapped optimizer, which owns the slots.
+    grads_and_vars: the (gradient, variable) pairs.
+    owner: the train op's record (`cycle.TrainOpState`).
+    sparse: accumulate an IndexedSlices gradient row by row (else densely).
+    dtype: `accumulator_dtype`, or None.
+    num_partitions: `xla_num_partitions`, or None.
+    in_xla: built inside an XLA computation.
+    local: None, or a `distribute.WorkerLocal` (variables on parameter
+      servers): the accumulators are then the worker's own, not slots.
+    multi_worker: under a multi-worker strategy (tables: table-sized).
+
+  Returns:
+    An `Accumulators`.
+
+  Raises:
+    ValueError: an `accumulator_dtype` narrower than a variable's, or
+      another dtype for a variable of unknown shape.
   """
+  strategy = tf.distribute.get_strategy()
   replica = None  # this replica's index, where there are several
-  if tf.distribute.get_strategy().num_replicas_in_sync > 1:
+  if strategy.num_replicas_in_sync > 1:
     replica = int(tf.get_static_value(
         tf.distribute.get_replica_context().replica_id_in_sync_group))
-  with distribute.summed_on_save():
-    return Accumulators([
-        _create(opt, v, g, sparse, dtype, num_partitions, in_xla, local,
-                owner, replica) for g, v in grads_and_vars])
+  # Replicas share a table's list: one variable, which only a private
+  # creator makes (`compat.one_variable_creator`, None if unavailable).
+  listed = not (in_xla or multi_worker or (
+      replica is not None and compat.one_variable_creator('') is None))
+  specs = []
+  for gradient, variable in grads_and_vars:
+    own_dtype = dtype or variable.dtype.base_dtype
+    table = sparse and isinstance(gradient, tf.IndexedSlices)
+    columns = list_columns(variable, own_dtype) if table else None
+    if columns is not None and (listed or local is not None):
+      kind = 'list'
+    else:
+      kind = 'table_sized' if table else 'dense'
+    specs.append((kind, gradient, variable, own_dtype, columns))
+  with (distribute.summed_on_save(strategy, multi_worker) if replica is not None
+        else contextlib.nullcontext()):
+    made = [_variable(opt, owner, local, replica, *spec) for spec in specs]
+  slots = [slot for slot, _ in made]
+  checkpoints.add_to_state([slot for slot, new in made
+                            if new and local is None])
+  lists = [(slot, spec[2]) for (slot, new), spec in zip(made, specs)
+           if new and spec[0] == 'list' and local is None]
+  if lists:  # an object-based checkpoint's restore handed the wrapped
+    # optimizer their values (they show as its slots `grad_accum`)
+    compat.restore_slot_variables(opt, [(slot_name_of(slot), variable, slot)
+                                        for slot, variable in lists])
+  for slot, variable in lists:
+    spec = checkpoints.slice_spec(variable)
+    if spec:  # a partition: the original kept slices of one accumulator
+      checkpoints.add_source(slot, checkpoints.save_name(variable) + '/' +
+                             slot.op.name.rsplit('/', 1)[-1], spec)
+  accumulators = []
+  for slot, local_slot, (kind, gradient, variable, own_dtype, _) in zip(
+      slots, compat.local_variables(slots), specs):
+    if kind == 'list':
+      accumulators.append(RowListAccumulator(
+          slot, variable, own_dtype, replica if local is None else None))
+    elif kind == 'table_sized':
+      accumulators.append(TableSizedAccumulator(
+          slot, local_slot, num_partitions, in_xla,
+          None if in_xla else _cycle_rows(gradient, owner)))
+    elif num_partitions is None:
+      accumulators.append(DenseAccumulator(slot, local_slot, in_xla))
+    else:
+      accumulators.append(ShardedAccumulator(slot, local_slot, in_xla,
+                                             num_partitions))
+  return Accumulators(accumulators)
+
+
+def _variable(opt, owner, local, replica, kind, gradient, variable, dtype,
+              columns):
+  """(the accumulator's variable, whether this call made it)."""
+  del gradient
+  if local is not None:  # the worker's own, not a slot (`distribute`)
+    name = variable.op.name + '/' + SLOT_OP_NAME
+    if kind == 'list':
+      return local.variable(name, lambda: empty_list(columns, dtype), dtype,
+                            list_of_rows=True), True
+    shape = variable.shape
+    return local.variable(name, lambda: run_time_zeros(shape, dtype),
+                          dtype), True
+  if kind == 'list':
+    # Several replicas share one list, where the first one's table is.
+    device = None if replica is None else compat.host_device(variable.device)
+    return _list_of_rows(variable, columns, dtype, owner, device)
+  return _create_slot(opt, variable, dtype, owner), True

@@ -10,7 +10,6 @@ import numpy as np
 import six
 
 from deferred_grad import compat
-from deferred_grad import distribute
 
 tf = compat.import_tensorflow()
 
@@ -325,7 +324,8 @@ def check_weight_value(weight, nonfinite_policy):
 
 
 def check_apply_gradients(grads_and_vars, global_step, name,
-                          replica_context, use_tpu, apply_crs_to_grad):
+                          replica_context, use_tpu, apply_crs_to_grad,
+                          accumulator_dtype=None):
   """Checks `apply_gradients`' arguments; returns the pairs with a gradient,
   each variable once (`sum_duplicates`).
 
@@ -333,6 +333,7 @@ def check_apply_gradients(grads_and_vars, global_step, name,
     grads_and_vars, global_step, name: `apply_gradients`' arguments.
     replica_context: where it was called (None: a cross-replica context).
     use_tpu, apply_crs_to_grad: the wrapper's keywords.
+    accumulator_dtype: the wrapper's, where the train op accumulates.
 
   Raises:
     RuntimeError: in eager mode or inside a `tf.function`; on the GPU path
@@ -357,9 +358,12 @@ def check_apply_gradients(grads_and_vars, global_step, name,
   if not present:
     raise ValueError('No gradients provided for any variable: %s.' %
                      ([v.name for _, v in grads_and_vars],))
-  distribute.check_replicas(replica_context, use_tpu)
+  check_replicas(replica_context, use_tpu)
   check_cross_replica_sum(apply_crs_to_grad)
-  return sum_duplicates(present)
+  present = sum_duplicates(present)
+  for _, variable in present:
+    check_accumulator_width(accumulator_dtype, variable)
+  return present
 
 
 def sum_duplicates(pairs):
@@ -388,3 +392,59 @@ def _add(a, b):
     return tf.IndexedSlices(tf.concat([a.values, b.values], 0),
                             tf.concat(ids, 0), a.dense_shape)
   return tf.add(*[tf.convert_to_tensor(part) for part in (a, b)])
+
+
+def check_replicas(replica_context, use_tpu, method='apply_gradients'):
+  """Refuses the contexts the code paths cannot serve.
+
+  Args:
+    replica_context: `tf.distribute.get_replica_context()` where `method`
+      was called (None in a cross-replica context).
+    use_tpu: the wrapper's keyword.
+    method: the name of the method called, for the message.
+
+  Raises:
+    RuntimeError: the GPU path in a cross-replica context; or the
+      multi-worker `ParameterServerStrategy` of `tf.compat.v1.distribute`.
+    ValueError: the TPU path under a strategy of several replicas.
+  """
+  strategy = tf.distribute.get_strategy()
+  if ('ParameterServerStrategy' in type(strategy).__name__ and
+      compat.in_multi_worker_mode(strategy)):
+    # It places every variable, the accumulators and counters included, on
+    # the ps tasks: all workers would add into one accumulator and count
+    # one cycle (see `distribute.worker_local` for the layout that works).
+    raise RuntimeError(
+        'GradientAggregationOptimizer does not support %s with parameter '
+        'servers: it would place the accumulators on the ps tasks, shared by '
+        'every worker, and train wrongly. Build the model under '
+        'tf.compat.v1.train.replica_device_setter instead (an Estimator with '
+        'ps tasks in TF_CONFIG and no train_distribute does): each worker '
+        'then accumulates its own micro-batches '
+        '(tools/examples/parameter_server_example.py).' %
+        type(strategy).__name__)
+  if use_tpu and strategy.num_replicas_in_sync > 1:
+    # The TPU path applies inside its tf.cond, where the wrapped optimizer's
+    # merge_call (the strategy's all-reduce) cannot run.
+    raise ValueError(
+        'use_tpu=True under %s with %d replicas: the TPU path applies inside '
+        'a tf.cond, where the strategy cannot all-reduce the gradients. '
+        'Under a multi-replica tf.distribute strategy use the GPU path, '
+        'use_tpu=False (on TPUs, TPUEstimator(use_tpu=True) with '
+        'GradientAggregationOptimizer(use_tpu=True) and no strategy).' %
+        (type(strategy).__name__, strategy.num_replicas_in_sync))
+  if not use_tpu and replica_context is None:
+    raise RuntimeError(
+        'GradientAggregationOptimizer.%s (and minimize) must be called in a '
+        'replica context, not in a cross-replica context: under a '
+        'tf.distribute strategy, call it inside the function you pass to '
+        'strategy.extended.call_for_each_replica (or strategy.run), not '
+        'directly under strategy.scope().' % method)
+
+
+def check_name(name):
+  """Returns `name`, the optimizer's, or raises a TypeError naming it."""
+  if not isinstance(name, six.string_types) or not name:
+    raise TypeError('name must be a non-empty string (the name scope of the '
+                    'ops apply_gradients makes), got %r.' % (name,))
+  return name

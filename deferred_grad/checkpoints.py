@@ -54,15 +54,19 @@ _SOURCES = ('deferred_grad', 'sources')  # (variable, key, slice spec)
 _SETTINGS = ('deferred_grad', 'settings')  # `record_settings`' records
 
 
-def add_to_state(variable):
-  """Records `variable` as part of the wrapper's state in its graph.
+def add_to_state(variables):
+  """Records `variables` as part of the wrapper's state in their graph.
 
   The state (accumulators and counters) is what a checkpoint written
   without the wrapper lacks; `Saver` starts it afresh then.
+
+  Args:
+    variables: a list of variables of one graph.
   """
-  state = variable.graph.get_collection_ref(_STATE)
-  if not any(variable is known for known in state):
-    state.append(variable)
+  for variable in variables:
+    state = variable.graph.get_collection_ref(_STATE)
+    if not any(variable is known for known in state):
+      state.append(variable)
 
 
 def state_variables(graph):
@@ -124,7 +128,8 @@ def _default_saveables(graph):
       tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
 
 
-def record_settings(grad_steps, weighted, policy, policies, place):
+def record_settings(grad_steps, weighted, policy, policies, place,
+                    state=()):
   """Records a train op's settings, which `Saver` saves and checks.
 
   A partial cycle's sums mean what the settings they were added under say:
@@ -140,6 +145,7 @@ def record_settings(grad_steps, weighted, policy, policies, place):
     policy: the `nonfinite_policy`, one of `policies`.
     policies: the policies, None first.
     place: an int64 scalar tensor, the micro-steps of the cycle so far.
+    state: the train op's variables, recorded as `add_to_state` does.
   """
   values = (grad_steps or 0, int(weighted), policies.index(policy))
   # In the train op's name scope: saved as `<scope>/deferred_grad_settings`.
@@ -147,6 +153,7 @@ def record_settings(grad_steps, weighted, policy, policies, place):
                     name='deferred_grad_settings')
   tensor.graph.add_to_collection(_SETTINGS,
                                  (tensor.op.name, tensor, values, policies))
+  add_to_state(state)
 
 
 def _describe(index, value, policies):
@@ -221,6 +228,16 @@ def _check_settings(records, now, save_path, keys, afresh):
               values[0], values[0]))
 
 
+def prepare(in_cond):
+  """Makes `Saver` the graph's default saver (`register_default_saver`);
+  returns where the wrapped optimizer's non-slot variables go
+  (`wrapped_vars_scope`). Call it before opening the wrapper's name scope.
+  """
+  with tf.init_scope():
+    register_default_saver(tf.compat.v1.get_default_graph())
+  return wrapped_vars_scope(in_cond)
+
+
 def wrapped_vars_scope(in_cond):
   """Returns where the wrapped optimizer's non-slot variables go.
 
@@ -267,11 +284,12 @@ def create_wrapped_slots(opt, var_list, scopes, wrapper):
   before = set(id(v) for v in opt._non_slot_dict.values())
   with tf.init_scope(), tf.compat.v1.name_scope(scope):
     opt._create_slots(var_list)
-  for (key, _), variable in list(opt._non_slot_dict.items()):
+  new = [(key, variable) for (key, _), variable in opt._non_slot_dict.items()
+         if id(variable) not in before]
+  if new:
+    compat.handle_deferred_dependencies(wrapper, new)
+  for _, variable in new:
     name = variable.op.name
-    if id(variable) in before:
-      continue
-    compat.handle_deferred_dependencies(wrapper, key, variable)
     if not name.startswith(scope):
       continue
     base = name[len(scope):]

@@ -1,9 +1,13 @@
-"""A train op's cycle: where a micro-step is in it, and the state it keeps.
+"""A train op's record: its cycle, its counters, and where a run stands.
 
-A cycle is `grad_steps` micro-steps; its last one applies the update. Three
-kinds of cycle share one interface (`divisor`, what a micro-step divides
-its gradients by as it adds them; `read`, the micro-step's `Position`;
-`advance`; `variables`), so that the optimizer never asks which one it has:
+Each call of `apply_gradients` builds a train op, and each train op keeps a
+record of its own (`TrainOpState`), made once for all the replicas that
+build it (`train_op_state`): its cycle, its counters, its run lock and the
+`Position` a run reads first. A cycle is `grad_steps` micro-steps; its last
+one applies the update. Three kinds of cycle share one interface (`read`,
+the `Position` of the next micro-step, a read and no write; `advance`,
+which counts it; `variables`), so that the optimizer never asks which one
+it has:
 
 * `EveryMicroStep`, for grad_steps=1: each micro-step is a whole cycle.
 * `StepCycle`, for an int `grad_steps`: the position is read from a step
@@ -15,10 +19,15 @@ its gradients by as it adds them; `read`, the micro-step's `Position`;
   own hold the position, the length (read from the schedule on the cycle's
   first micro-step, then held) and the updates applied.
 
-`TrainOpState` holds a train op's cycle and the rest of its state as data:
-this cycle's counts on each replica (see `numerics`) and the totals of what
-a policy skipped; `state` creates it, once for all replicas. `ReplicaPart`
-is one replica's part of a train op: the values its apply step needs.
+Beside the cycle, the record holds this cycle's counts on each replica
+(weights, finite and non-finite micro-batches: see `optimizer`) and the
+totals of what a `nonfinite_policy` skipped. The first train op in a graph
+keeps the original's names (`update_count`), so that the original's
+checkpoints restore; later ones get unique names (`update_count_1`, ...) in
+the order the graph builds them. They are created outside the caller's
+variable-scope `reuse` setting, which would otherwise hand every wrapper
+the same variable. The records live in graph collections under tuple keys
+(not serialized into meta graphs), as TensorFlow's variable store does.
 """
 
 from __future__ import absolute_import
@@ -26,11 +35,22 @@ from __future__ import division
 from __future__ import print_function
 
 import collections
+import contextlib
 
 from deferred_grad import arguments
+from deferred_grad import checkpoints
 from deferred_grad import compat
+from deferred_grad import distribute
 
 tf = compat.import_tensorflow()
+
+COUNTER_NAME = 'update_count'
+SCHEDULE_NAMES = ('micro_step', 'cycle_length', 'applied_updates')
+# Graph collections: [(global step key, whether it decides a cycle)] of the
+# train ops that count a global step; [[records of the n-th train op],
+# {replica id: train ops it built}].
+_COUNTED_STEPS = ('deferred_grad', 'counted_steps')
+_TRAIN_OPS = ('deferred_grad', 'train_ops')
 
 # A micro-step's place in its cycle, read under the train op's lock before
 # the micro-step adds or counts anything: `in_cycle` (an int64 scalar, 0 on
@@ -45,7 +65,7 @@ Position = collections.namedtuple(
     ['in_cycle', 'length', 'is_end', 'updates', 'step', 'checks'])
 
 
-def acquire_lock():
+def _acquire_lock():
   """Takes a mutex of its own for the rest of a run; returns its lock.
 
   Every op made under `tf.control_dependencies([lock])` runs while the run
@@ -54,24 +74,15 @@ def acquire_lock():
   its place, adds, applies and counts as one. A run that fails releases
   it. Made on the host CPU (mutexes have no other kernels), on the device's
   task (a parameter-server worker: the worker's own).
-
-  Returns:
-    The lock, a variant tensor; hand it to `release_lock` once.
   """
   with tf.device('/device:CPU:0'):
     mutex = tf.raw_ops.MutexV2(name='run_lock')
     return tf.raw_ops.MutexLock(mutex=mutex)
 
 
-def release_lock(lock, after):
-  """The op releasing `lock` (from `acquire_lock`) once `after` has run."""
-  with tf.control_dependencies([after]), tf.device('/device:CPU:0'):
-    return tf.raw_ops.ConsumeMutexLock(mutex_lock=lock)
-
-
-def count_on(step):
+def _count_on(step):
   """Adds one micro-step to a global step (atomically: workers share it)."""
-  if compat.is_ref_variable(step):
+  if step.dtype != step.dtype.base_dtype:  # a ref variable
     # Locked: workers sharing the step on a parameter server add at once.
     return tf.compat.v1.assign_add(step, 1, use_locking=True).op
   return step.assign_add(1, read_value=False)
@@ -147,7 +158,7 @@ class StepCycle(object):
   def advance(self, position):
     """Counts the micro-step at `position` (its read ordered before)."""
     if self.counts_global_step:
-      return count_on(self.step)
+      return _count_on(self.step)
     next_value = tf.math.floormod(position.step + 1, self.grad_steps)
     return self.step.assign(next_value, read_value=False)
 
@@ -232,22 +243,24 @@ class Schedule(object):
 
 
 class TrainOpState(object):
-  """One train op's state, shared by the replicas that build it.
+  """One train op's record, shared by the replicas that build it.
 
   Args and attributes:
     cycle: an `EveryMicroStep`, `StepCycle` or `Schedule`.
     global_step: the `global_step` the train op counts, or None.
     counts: {name: variable} of this cycle's per-replica counts, in the
-      order of `numerics.Policy.counts`; None where the micro-step is its
-      cycle (its counts are the micro-step's own).
+      order the optimizer's policy names them; None where the micro-step is
+      its cycle (its counts are the micro-step's own).
     skipped: (micro-batches, cycles) int64 totals of what a
       `nonfinite_policy` skipped, or (None, None).
-    counts_dtype: the dtype of the counts (`numerics.counts_dtype`).
+    counts_dtype: the dtype of the counts.
 
   Attributes:
     position: the `Position` a run of this train op reads first (None
       until `begin_run`): fetched alone it says what the next run will do.
-    lock: the lock a run holds (`acquire_lock`), or None.
+    lock: the lock a run holds, or None.
+    lists: {id(table): its list of rows} (`accumulators`).
+    counters: the counters: the cycle's, its counts, what a policy skipped.
   """
 
   def __init__(self, cycle, global_step, counts, skipped,
@@ -259,7 +272,10 @@ class TrainOpState(object):
     self.skipped_micro_batches, self.skipped_cycles = skipped
     self.position = None
     self.lock = None
-    self.lists = {}  # id(table) -> its list of rows (`accumulators`)
+    self.lists = {}
+    self.counters = cycle.variables() + [
+        counts[name] for name in sorted(counts or {})] + [
+            v for v in skipped if v is not None]
 
   def begin_run(self, locked, checks=()):
     """Takes the run's lock (if `locked`) and reads the `Position`, once.
@@ -268,31 +284,47 @@ class TrainOpState(object):
     makes them; the others share them.
 
     Args:
-      locked: whether runs of this train op take turns (`acquire_lock`).
+      locked: whether runs of this train op take turns (a mutex of its own).
       checks: ops to run before the position is read (that the worker's
-        own counters are initialized, `placement.initialized_check`).
+        own counters are initialized, `distribute.initialized_check`).
 
     Returns:
       (the lock or None, the `Position`).
     """
     if self.position is None:
       if locked:
-        self.lock = acquire_lock()
+        self.lock = _acquire_lock()
       with tf.control_dependencies(([self.lock] if locked else []) +
                                    list(checks)):
         self.position = self.cycle.read(self.global_step)
     return self.lock, self.position
 
-  def end_run(self, op):
-    """`op`, or the op that releases the run's lock once `op` has run."""
+  def advance(self, position, after):
+    """Counts the micro-step at `position` once `after` has run; releases
+    the run's lock. Returns the op that ends the micro-step.
+
+    After every value derived from the position's read too: under ref
+    variables (v1 behaviour) a read may alias the buffer written here.
+    """
+    derived = [t for t in (position.in_cycle, position.is_end,
+                           position.updates) if tf.is_tensor(t)]
+    with tf.control_dependencies([after] + derived):
+      advanced = self.cycle.advance(position)
+    if self.global_step is not None and not self.cycle.counts_global_step:
+      with tf.control_dependencies([advanced]):  # counted beside the cycle
+        advanced = _count_on(self.global_step)
     if self.lock is None:
-      return op
-    return release_lock(self.lock, op)
+      return advanced
+    with tf.control_dependencies([advanced]), tf.device('/device:CPU:0'):
+      return tf.raw_ops.ConsumeMutexLock(mutex_lock=self.lock)
 
   def add_counts(self, increments):
-    """Ops adding a micro-step's `numerics.increments` to the counts."""
-    return [compat.local_variable(v).assign_add(count, read_value=False)
-            for v, count in zip((self.counts or {}).values(), increments)]
+    """Ops adding a micro-step's increments to this replica's counts."""
+    if not self.counts:
+      return []
+    counts = compat.local_variables(list(self.counts.values()))
+    return [v.assign_add(count, read_value=False)
+            for v, count in zip(counts, increments)]
 
   def counts_of_cycle(self, increments):
     """This replica's counts of the cycle, this micro-step's included.
@@ -303,14 +335,16 @@ class TrainOpState(object):
     if self.counts is None:
       counts = list(increments)
     else:
-      counts = [compat.local_variable(v).read_value()
-                for v in self.counts.values()]
+      counts = [v.read_value() for v in
+                compat.local_variables(list(self.counts.values()))]
     return tf.unstack(tf.stack(counts)) if counts else []
 
   def reset_counts(self):
     """Ops zeroing this replica's counts for the next cycle."""
-    return [compat.local_variable(v).assign(0.0, read_value=False)
-            for v in (self.counts or {}).values()]
+    if not self.counts:
+      return []
+    return [v.assign(0.0, read_value=False) for v in
+            compat.local_variables(list(self.counts.values()))]
 
   def count_skipped(self, skipped):
     """Ops adding (micro-batches, cycles) skipped to the totals."""
@@ -318,21 +352,6 @@ class TrainOpState(object):
       return []
     return [total.assign_add(value, read_value=False) for total, value in
             zip((self.skipped_micro_batches, self.skipped_cycles), skipped)]
-
-  def advance(self, position):
-    """Counts the micro-step at `position` in the cycle and `global_step`.
-
-    After every value derived from the position's read: under ref variables
-    (v1 behaviour) a read may alias the buffer written here.
-    """
-    derived = [t for t in (position.in_cycle, position.is_end,
-                           position.updates) if tf.is_tensor(t)]
-    with tf.control_dependencies(derived):
-      advanced = self.cycle.advance(position)
-    if self.global_step is None or self.cycle.counts_global_step:
-      return advanced
-    with tf.control_dependencies([advanced]):  # counted beside the cycle
-      return count_on(self.global_step)
 
   def applies_update(self):
     """True when a run ends a cycle (a boolean tensor; see `Position`)."""
@@ -357,43 +376,177 @@ class TrainOpState(object):
           'counts its updates itself.')
     return self.position.updates
 
-  def counters(self):
-    """The counters: the cycle's, its counts, what a policy skipped."""
-    own = self.cycle.variables()
-    own += [self.counts[name] for name in sorted(self.counts or {})]
-    return own + [v for v in (self.skipped_micro_batches, self.skipped_cycles)
-                  if v is not None]
-
   def variables(self):
     """The train op's variables: its counters and its tables' lists."""
-    return self.counters() + list(self.lists.values())
+    return self.counters + list(self.lists.values())
 
 
-class ReplicaPart(object):
-  """One replica's part of one train op: plain values for the apply step.
+# ------------------------------------------------------------- creation --
 
-  Args and attributes:
-    state: the train op's `TrainOpState` (shared by the replicas).
-    var_list: the variables.
-    accumulators: their `accumulators.Accumulators` (or `PassThrough`).
-    gradients: the micro-step's weighed gradients.
-    increments: the micro-step's counts (`numerics.increments`).
-    shared_rows: the micro-step's rows of tables whose list the replicas
-      share (`accumulators.Accumulators.shared_rows`), by index.
+def train_op_state(replica_context, *args, **kwargs):
+  """The record of the train op being built, made once for all replicas.
+
+  Under a multi-replica strategy every replica builds each train op: the
+  same wrapper's `apply_gradients` runs once per replica, and an Estimator
+  model_fn even makes a wrapper per replica. The n-th train op a replica
+  builds in a graph is the n-th of every other replica: the first replica
+  to build it creates its record (`_create(*args, **kwargs)`), the others
+  share it. Call it under `tf.init_scope()`.
+
+  Args:
+    replica_context: the current replica context, or None.
+    *args: `_create`'s arguments.
+    **kwargs: `_create`'s keyword arguments.
+
+  Returns:
+    A `TrainOpState`.
+
+  Raises:
+    ValueError: another wrapper train op counts the `global_step` this one
+      decides its cycle on, or the reverse.
   """
+  graph = tf.compat.v1.get_default_graph()
+  train_ops = graph.get_collection_ref(_TRAIN_OPS)
+  if not train_ops:
+    train_ops.append(([], {}))
+  states, calls = train_ops[0]
+  replica = 0
+  if replica_context is not None:
+    replica = int(tf.get_static_value(
+        replica_context.replica_id_in_sync_group) or 0)
+  index = calls.get(replica, 0)
+  calls[replica] = index + 1
+  if index == len(states):
+    states.append(_create(*args, **kwargs))
+  return states[index]
 
-  def __init__(self, state, var_list, accumulators, gradients, increments,
-               shared_rows):
-    self.state = state
-    self.var_list = list(var_list)
-    self.accumulators = accumulators
-    self.gradients = gradients
-    self.increments = increments
-    self.shared_rows = shared_rows
 
-  def counts_of_cycle(self):
-    """This replica's counts of the cycle, this micro-step's included."""
-    return self.state.counts_of_cycle(self.increments)
+def _create(grad_steps, accumulates, policy, own_counter, global_step=None,
+            local=None, counts_dtype=tf.float32, multi_worker=False):
+  """Creates a train op's record and its variables (`train_op_state`).
+
+  Args:
+    grad_steps: the int, or a schedule (a tensor or a callable).
+    accumulates: False for grad_steps=1, where a micro-step is its cycle:
+      its counts are tensors of the step, and only a policy's totals are
+      variables.
+    policy: (nonfinite_policy, weighted, the names of the counts the cycle
+      keeps, the policies in the order `checkpoints` records them).
+    own_counter: an int cycle counts in `update_count`, not `global_step`.
+    global_step: the global step the train op counts, or None.
+    local: None (global variables), or a `distribute.WorkerLocal`.
+    counts_dtype: the dtype of the cycle's counts.
+    multi_worker: under a multi-worker strategy.
+
+  Returns:
+    A `TrainOpState`.
+  """
+  fixed = isinstance(grad_steps, int)
+  made = []
+  own = lambda name, dtype, **kwargs: made.append(_own_variable(
+      name, dtype, local=local, **kwargs)) or made[-1]
+  counter = lambda name, dtype: own(
+      name, dtype, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+  if global_step is not None:
+    # Under a schedule the train op only counts it (`Schedule`).
+    _count_global_step(global_step, fixed and accumulates)
+    if multi_worker:
+      compat.plain_global_step_read(global_step)
+  nonfinite_policy, weighted, counts_names, policies = policy
+  skipped = (None, None)
+  if nonfinite_policy:
+    skipped = tuple(counter(name, tf.int64)
+                    for name in ('skipped_micro_batches', 'skipped_cycles'))
+  if not accumulates:
+    state = TrainOpState(EveryMicroStep(), global_step, None, skipped,
+                         counts_dtype)
+  else:
+    counts = {}
+    strategy = tf.distribute.get_strategy()
+    with (distribute.summed_on_save(strategy, multi_worker) if (
+        counts_names and strategy.num_replicas_in_sync > 1) else
+          contextlib.nullcontext()):
+      for name in counts_names:  # saved as their sum over replicas
+        counts[name] = own(name, counts_dtype)
+    if not fixed:
+      cycle = Schedule(grad_steps, [counter(name, tf.int64)
+                                    for name in SCHEDULE_NAMES])
+    elif own_counter:
+      cycle = StepCycle(grad_steps, counter(COUNTER_NAME, tf.float32),
+                        counts_global_step=False)
+    else:
+      cycle = StepCycle(grad_steps, global_step, counts_global_step=True)
+    state = TrainOpState(cycle, global_step, counts, skipped, counts_dtype)
+    if local is None:  # see `checkpoints.Saver`
+      checkpoints.record_settings(grad_steps if fixed else None, weighted,
+                                  nonfinite_policy, policies, cycle.place(),
+                                  made)
+      return state
+  if local is None and made:
+    checkpoints.add_to_state(made)
+  return state
+
+
+def _own_variable(name, dtype, initial_value=0,
+                  aggregation=tf.VariableAggregation.NONE, local=None):
+  """Creates a scalar variable named `name` in the current variable scope.
+
+  Call it under `tf.init_scope()`. The name is made unique in the graph.
+
+  Args:
+    name: the base name, e.g. 'update_count'.
+    dtype: its dtype.
+    initial_value: its initial (and reset) value.
+    aggregation: how a multi-replica strategy aggregates writes.
+    local: None (a global variable), or a `distribute.WorkerLocal`.
+
+  Returns:
+    The variable (not trainable).
+  """
+  scope = tf.compat.v1.get_variable_scope().name
+  full_name = scope + '/' + name if scope else name
+  if local is not None:
+    return local.variable(full_name, lambda: tf.constant(initial_value, dtype),
+                          dtype)
+  # name_scope(None): the variable scope's name, not the current name
+  # scope's, as `tf.compat.v1.get_variable` (the original's) names it; the
+  # graph appends _1, _2, ... when the name is taken.
+  with tf.compat.v1.name_scope(None):
+    return tf.compat.v1.Variable(
+        lambda: tf.constant(initial_value, dtype), dtype=dtype,
+        name=full_name, trainable=False, aggregation=aggregation)
+
+
+def _count_global_step(global_step, accumulates):
+  """Records that a train op counts `global_step`; refuses a conflict.
+
+  A train op that accumulates (an int grad_steps > 1) decides its cycle on
+  the `global_step` it counts, so no other wrapper train op may count the
+  same one: each would see only part of the micro-steps (two train ops run
+  in turn each see every other one) and apply at the wrong micro-steps.
+
+  Args:
+    global_step: the variable passed to `apply_gradients`.
+    accumulates: whether this train op decides its cycle on it.
+
+  Raises:
+    ValueError: another train op of a wrapper in this graph counts
+      `global_step`, and one of the two decides its cycle on it.
+  """
+  counted = tf.compat.v1.get_default_graph().get_collection_ref(
+      _COUNTED_STEPS)
+  key = global_step.name
+  for other_key, other_accumulates in counted:
+    if other_key == key and (accumulates or other_accumulates):
+      raise ValueError(
+          'global_step %s is already counted by another '
+          'GradientAggregationOptimizer train op in this graph. A train op '
+          'with grad_steps > 1 decides its cycle on the global_step it '
+          'counts, so two train ops counting one global_step would apply at '
+          'the wrong micro-steps. Pass global_step to one of them only and '
+          'global_step=None to the others: each of those counts its cycle in '
+          'a variable of its own (update_count_N).' % (global_step.name,))
+  counted.append((key, accumulates))
 
 
 def applied_updates(global_step, grad_steps, name=None):

@@ -1,11 +1,21 @@
-"""Distribution helpers: replica checks and multi-worker lockstep."""
+"""Where replicas and workers meet: strategies, workers, parameter servers.
+
+In one process (a strategy of one replica) nothing here runs. Under a
+multi-replica strategy the replicas of a train op meet once per apply step
+(`summed_counts`: the cycle's counts in one all-reduce), their accumulators
+are saved as their sum (`summed_on_save`), and under
+`MultiWorkerMirroredStrategy` the workers keep their collectives in
+lockstep (`collective_run_options`, `collective_barrier`), hand on a
+table's rows in slices of one length (`of_fixed_length`) and drop a cycle a
+session began mid-way (`MidCycleRestart`). On parameter-server workers
+(`worker_local`) the state is the worker's own.
+"""
 
 from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
 
 import contextlib
-import weakref
 
 from deferred_grad import compat
 
@@ -58,62 +68,8 @@ def collective_barrier(strategy=None):
   return strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
 
 
-def check_replicas(replica_context, use_tpu, method='apply_gradients'):
-  """Refuses the contexts the code paths cannot serve.
-
-  Args:
-    replica_context: `tf.distribute.get_replica_context()` where `method`
-      was called (None in a cross-replica context).
-    use_tpu: the wrapper's keyword.
-    method: the name of the method called, for the message.
-
-  Raises:
-    RuntimeError: the GPU path in a cross-replica context; or the
-      multi-worker `ParameterServerStrategy` of `tf.compat.v1.distribute`.
-    ValueError: the TPU path under a strategy of several replicas.
-  """
-  strategy = tf.distribute.get_strategy()
-  if ('ParameterServerStrategy' in type(strategy).__name__ and
-      in_multi_worker_mode(strategy)):
-    # It places every variable, the accumulators and counters included, on
-    # the ps tasks: all workers would add into one accumulator and count
-    # one cycle (see `placement` for the layout that works).
-    raise RuntimeError(
-        'GradientAggregationOptimizer does not support %s with parameter '
-        'servers: it would place the accumulators on the ps tasks, shared by '
-        'every worker, and train wrongly. Build the model under '
-        'tf.compat.v1.train.replica_device_setter instead (an Estimator with '
-        'ps tasks in TF_CONFIG and no train_distribute does): each worker '
-        'then accumulates its own micro-batches '
-        '(tools/examples/parameter_server_example.py).' %
-        type(strategy).__name__)
-  if use_tpu and strategy.num_replicas_in_sync > 1:
-    # The TPU path applies inside its tf.cond, where the wrapped optimizer's
-    # merge_call (the strategy's all-reduce) cannot run.
-    raise ValueError(
-        'use_tpu=True under %s with %d replicas: the TPU path applies inside '
-        'a tf.cond, where the strategy cannot all-reduce the gradients. '
-        'Under a multi-replica tf.distribute strategy use the GPU path, '
-        'use_tpu=False (on TPUs, TPUEstimator(use_tpu=True) with '
-        'GradientAggregationOptimizer(use_tpu=True) and no strategy).' %
-        (type(strategy).__name__, strategy.num_replicas_in_sync))
-  if not use_tpu and replica_context is None:
-    raise RuntimeError(
-        'GradientAggregationOptimizer.%s (and minimize) must be called in a '
-        'replica context, not in a cross-replica context: under a '
-        'tf.distribute strategy, call it inside the function you pass to '
-        'strategy.extended.call_for_each_replica (or strategy.run), not '
-        'directly under strategy.scope().' % method)
-
-
-def in_multi_worker_mode(strategy):
-  """True under a strategy whose replicas span several worker processes."""
-  in_multi_worker = getattr(strategy.extended, '_in_multi_worker_mode', None)
-  return bool(in_multi_worker and in_multi_worker())
-
-
 @contextlib.contextmanager
-def summed_on_save():
+def summed_on_save(strategy, multi_worker):
   """Per-replica variables created inside are saved as their sum.
 
   Under a multi-replica strategy each replica adds its own micro-batches into
@@ -130,12 +86,14 @@ def summed_on_save():
   only the saving worker (the chief) runs: there the variables stay mirrored
   (see tools/examples/multi_worker_example.py).
 
+  Args:
+    strategy: the current strategy.
+    multi_worker: whether its replicas span several workers.
+
   Yields:
     Nothing.
   """
-  strategy = tf.distribute.get_strategy()
-  if (strategy.num_replicas_in_sync == 1 or
-      in_multi_worker_mode(strategy)):
+  if strategy.num_replicas_in_sync == 1 or multi_worker:
     yield
     return
 
@@ -146,49 +104,6 @@ def summed_on_save():
 
   with tf.compat.v1.variable_creator_scope(on_read_sum):
     yield
-
-
-@contextlib.contextmanager
-def one_variable(device):
-  """Variables created inside are one plain variable on `device`.
-
-  Not one per replica: for state that every replica's part meets in (a
-  table's list of rows, `row_lists.RowListAccumulator`), written once per run
-  in the cross-replica context and saved as it is. Outside a multi-replica
-  strategy this changes nothing.
-
-  Args:
-    device: where the variable lives.
-
-  Yields:
-    Nothing.
-  """
-  if tf.distribute.get_strategy().num_replicas_in_sync == 1:
-    yield
-    return
-  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
-  from tensorflow.python.ops import ref_variable
-  # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
-
-  def plain(next_creator, **kwargs):
-    del next_creator  # the strategy's creator would make one per replica
-    kwargs.pop('distribute_strategy', None)
-    with tf.device(device):
-      return ref_variable.default_variable_creator(None, **kwargs)
-
-  with tf.compat.v1.variable_creator_scope(plain):
-    yield
-
-
-def first_replica(distribution, value):
-  """`value`, or its first replica's where `distribution` is a strategy.
-
-  In a `merge_call`, values that differ per replica arrive as PerReplica;
-  the train op's state and variables are the same on every replica.
-  """
-  if distribution is None:
-    return value
-  return distribution.experimental_local_results(value)[0]
 
 
 def of_fixed_length(gradient, length):
@@ -224,51 +139,39 @@ def of_fixed_length(gradient, length):
                           gradient.dense_shape)
 
 
-def summed_counts(names, distribution, counts_fn, part, over_tpu_cores,
-                  length=None):
-  """({name: count summed over replicas (and TPU cores)}, replicas, checks).
+def summed_counts(distribution, counts, over_tpu_cores, length=None):
+  """(counts summed over replicas and TPU cores, replicas, checks).
 
   The cycle's one exchange between replicas besides the wrapped
   optimizer's own all-reduce: the counts travel as one small vector.
 
   Args:
-    names: the counts' names, in the order `counts_fn` gives them.
     distribution: the strategy (in its cross-replica context), or None.
-    counts_fn: returns a replica's counts (float scalars of one dtype) from
-      its `part`.
-    part: what each replica built (PerReplica under a strategy).
+    counts: each replica's counts as one vector (PerReplica under a
+      strategy; a tensor without one).
     over_tpu_cores: also sum over TPU cores (`apply_crs_to_grad`).
-    length: under a schedule, the cycle's length. Where the replicas span
-      several workers it travels with the counts, and `checks` holds the
-      op that fails where the workers disagree (their collectives would no
-      longer match).
+    length: None, or (where the replicas span several workers, under a
+      schedule) this worker's cycle length, which the vector's last entry
+      holds: `checks` then holds the op that fails where the workers
+      disagree (their collectives would no longer match).
+
+  Returns:
+    (a list of the summed counts, the number of replicas (a number, or a
+    scalar over TPU cores), [ops to run before applying]).
   """
   replicas = 1 if distribution is None else distribution.num_replicas_in_sync
-  agree = length is not None and distribution is not None and (
-      in_multi_worker_mode(distribution))
-  if not (names or agree):
-    return {}, replicas, []
-  if distribution is None:
-    counts = counts_fn(part)
-  else:
-    def replica_counts(p):
-      counts = counts_fn(p)
-      if agree:
-        dtype = counts[0].dtype if counts else tf.float32
-        counts = counts + [tf.cast(length, dtype)]
-      return tf.stack(counts)
-
-    # One all-reduce: the scalars travel as one vector.
-    per_replica = distribution.extended.call_for_each_replica(
-        replica_counts, args=(part,))
-    counts = tf.unstack(distribution.reduce(
-        tf.distribute.ReduceOp.SUM, per_replica, axis=None))
-  checks = [check_agreed(counts.pop(), replicas, length)] if agree else []
+  if distribution is not None:  # one all-reduce: one vector
+    counts = distribution.reduce(tf.distribute.ReduceOp.SUM, counts,
+                                 axis=None)
+  counts = tf.unstack(counts)
+  checks = []
+  if length is not None:
+    checks.append(check_agreed(counts.pop(), replicas, length))
   if over_tpu_cores:
     crs = tf.compat.v1.tpu.cross_replica_sum
-    counts = tf.unstack(crs(tf.stack(counts)))
+    counts = tf.unstack(crs(tf.stack(counts))) if counts else []
     replicas = replicas * crs(tf.constant(1.0))
-  return dict(zip(names, counts)), replicas, checks
+  return counts, replicas, checks
 
 
 def check_agreed(total, replicas, length):
@@ -287,47 +190,6 @@ def check_agreed(total, replicas, length):
        replicas, 'replicas is', total, '. Give grad_steps a value that is '
        'the same on every worker: a constant, or a callable of the updates '
        'applied (tools/examples/schedule_example.py).'])
-
-
-# graph -> the plain global-step read that `plain_global_step_read` cached.
-_PLAIN_READS = weakref.WeakKeyDictionary()
-
-
-def plain_global_step_read(global_step):
-  """Gives hooks a read of `global_step` that needs no other worker.
-
-  Hooks (`StopAtStepHook`, `CheckpointSaverHook`, ...) and loops fetch the
-  tensor that `tf.compat.v1.train` caches for reading the global step:
-  `cond(is_initialized, read, initial_value)`. Under
-  `MultiWorkerMirroredStrategy` a variable's initial value is broadcast from
-  worker 0, and the broadcast sits upstream of that `cond`, so every fetch
-  of it runs a collective. When one worker makes one more such run than
-  the other (a hook that reads the step just before stopping, a chief that
-  logs it), the workers' collectives no longer match: both hang at the next
-  all-reduce. Under a multi-worker strategy this caches a plain read
-  instead, once the variable exists (the session initializes it before any
-  hook runs).
-
-  Args:
-    global_step: the global step variable given to `apply_gradients`.
-  """
-  strategy = tf.distribute.get_strategy()
-  if not in_multi_worker_mode(strategy):
-    return
-  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
-  from tensorflow.python.training import training_util
-  # pylint: enable=g-direct-tensorflow-import,g-import-not-at-top
-  graph = tf.compat.v1.get_default_graph()
-  cached = graph.get_collection_ref(training_util.GLOBAL_STEP_READ_KEY)
-  if cached and cached[0] is _PLAIN_READS.get(graph):
-    return
-  with tf.init_scope(), graph.name_scope(None):
-    with graph.name_scope(global_step.op.name + '/'):
-      read = tf.identity(compat.local_variable(global_step).read_value(),
-                         name='plain_read')
-  _PLAIN_READS[graph] = read
-  del cached[:]
-  cached.append(read)
 
 
 class MidCycleRestart(object):
@@ -389,8 +251,111 @@ class MidCycleRestart(object):
     return tf.equal(tf.size(taken), 0)
 
 
-def mid_cycle_restart():
-  """A `MidCycleRestart` where the replicas span several workers, or None."""
-  if not in_multi_worker_mode(tf.distribute.get_strategy()):
-    return None
-  return MidCycleRestart()
+# ------------------------------------------- parameter-server workers --
+# Under between-graph replication with parameter servers
+# (`tf.compat.v1.train.replica_device_setter`, a legacy Estimator with `ps`
+# tasks in `TF_CONFIG`), the variables live on `ps` tasks and each worker
+# builds its own graph. State placed with the variables would be shared by
+# all workers, which then add into one accumulator and count one cycle. There
+# each worker keeps its own accumulators and cycle counter on its own device,
+# as local variables (`LOCAL_VARIABLES`: not saved by the chief, initialized
+# by `local_variables_initializer()`, which MonitoredTrainingSession and
+# Estimator run), as TensorFlow's `SyncReplicasOptimizer` keeps its local
+# step. A worker hands the wrapped optimizer the mean of its own K
+# micro-batches once per K micro-steps: asynchronous training, like the bare
+# optimizer's, with K times fewer pushes to the parameter servers. A restart
+# loses each worker's partial cycle (at most K - 1 micro-batches each).
+
+
+def _job(device):
+  return tf.DeviceSpec.from_string(device or '').job
+
+
+def worker_device(var_list):
+  """The worker's device when `var_list` lives on other jobs, else None.
+
+  Call it where `apply_gradients` builds its ops: their device (set by
+  `replica_device_setter`) is the worker's.
+
+  Args:
+    var_list: the variables that receive gradients.
+
+  Returns:
+    A device string such as '/job:worker/task:1', or None.
+  """
+  if tf.distribute.has_strategy():
+    return None  # tf.distribute strategies place replicas themselves
+  variable_jobs = {_job(v.device) for v in var_list} - {None}
+  if not variable_jobs:
+    return None  # one process: no probe op in the graph
+  probe = tf.constant(0, name='placement_probe')
+  here = probe.op.device
+  job = _job(here)
+  if job and variable_jobs - {job}:
+    return here
+  return None
+
+
+def initialized_check(local, state_variables):
+  """[An op failing a micro-step whose worker-local state is uninitialized].
+
+  The worker's accumulators and counters are local variables: a raw
+  `Session` that runs only `global_variables_initializer()` would fail at
+  the first micro-step with TensorFlow's "Invalid variable reference" or
+  "uninitialized value", naming none of this.
+
+  Args:
+    local: a `WorkerLocal`, or None (then there is nothing to check).
+    state_variables: the train op's own variables, created together.
+
+  Returns:
+    A list of at most one op.
+  """
+  if local is None or not state_variables:
+    return []
+  first = state_variables[0]
+  return [tf.debugging.Assert(
+      tf.compat.v1.is_variable_initialized(first),
+      ['GradientAggregationOptimizer: on a parameter-server worker the '
+       'accumulators and counters are local variables of the worker (%s '
+       'is one): run tf.compat.v1.local_variables_initializer() in this '
+       'session besides global_variables_initializer() '
+       '(MonitoredTrainingSession and Estimator run both).' %
+       first.op.name])]
+
+
+def worker_local(var_list):
+  """A `WorkerLocal` where `var_list` lives on other jobs, else None."""
+  device = worker_device(var_list)
+  return WorkerLocal(device) if device else None
+
+
+class WorkerLocal(object):
+  """Creates the wrapper's state on the worker, as local variables.
+
+  Args:
+    device: the worker's device.
+  """
+
+  def __init__(self, device):
+    self.device = device
+
+  def variable(self, name, initial_value, dtype, list_of_rows=False):
+    """A local, non-trainable variable on the worker.
+
+    Args:
+      name: its name (uniquified by the graph).
+      initial_value: a callable returning its initial value.
+      dtype: its dtype.
+      list_of_rows: an `accumulators.RowListAccumulator`'s list: of no static
+        shape, on the worker's CPU also under a GPU worker device.
+
+    Returns:
+      The variable.
+    """
+    device = compat.host_device(self.device) if list_of_rows else self.device
+    with tf.compat.v1.name_scope(None), tf.device(device):
+      return tf.compat.v1.Variable(
+          initial_value, dtype=dtype, name=name, trainable=False,
+          validate_shape=not list_of_rows,
+          collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])

@@ -1,24 +1,34 @@
 """Optimizer wrapper for deferred (accumulated) gradient application.
 
-The algorithm reads top to bottom from `apply_gradients`:
+The algorithm reads top to bottom from `apply_gradients`, one micro-step:
 
-1. `_micro_step`: check, weigh, add (the micro-step of each replica);
-2. `_end_micro_step`: one decision, a `tf.cond` on the cycle's end (GPU
-   path: after a `merge_call`; TPU path: in the replica), then advance;
-3. `_apply_step`: sum the cycle's counts over replicas once, decide;
-4. `_apply_and_reset`: on each replica, apply the cycle's gradient, reset.
+1. check the arguments; the train op's record and its accumulators, made
+   once for all replicas (`cycle`, `accumulators`);
+2. take the run's lock and read the cycle's `Position`, first (`cycle`);
+3. the micro-step on each replica: check (finite?), weigh, add, count;
+4. one decision, a `tf.cond` on the cycle's end: the GPU path decides after
+   a `merge_call` into the cross-replica context, the TPU path in the
+   replica; the two differ only in that and in where replicas meet;
+5. the apply step: sum the cycle's counts over replicas once, decide
+   whether it applies (a `nonfinite_policy`), and on each replica apply the
+   cycle's gradient (its factor made in one function, `_factor`) and reset;
+6. advance: count the micro-step, release the lock.
 
-The mechanics are one call away, called with values and returning values:
-`accumulators` (the cycle's sums), `cycle` (a micro-step's place in its
-cycle; the train op's state), `numerics` (which micro-batches count, by
-what factor), `distribute` (where replicas meet), `kernels` (the variables'
-handles). Made once per train op: `state` (its variables); beside them
-`arguments` (checks), `checkpoints` (names), `placement` (parameter servers).
+What a cycle applies is decided by a few pure functions of the counts
+(`Policy`, `_increments`, `_should_apply`, `_factor`), as optax's
+`skip_not_finite`. The mechanics are one call away, called with values and
+returning values: `accumulators` (the cycle's sums), `cycle` (the train
+op's record: its position, counters, lock), `distribute` (where replicas
+and workers meet), `checkpoints` (names, `deferred_grad.Saver`),
+`arguments` (checks) and `compat` (TensorFlow's private names, each with a
+public fallback).
 """
 
 from __future__ import absolute_import
 from __future__ import division
 from __future__ import print_function
+
+import collections
 
 from deferred_grad import accumulators as accumulators_lib
 from deferred_grad import arguments
@@ -26,13 +36,65 @@ from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import cycle
 from deferred_grad import distribute
-from deferred_grad import kernels
-from deferred_grad import lazy_cond
-from deferred_grad import numerics
-from deferred_grad import placement
-from deferred_grad import state as state_lib
 
 tf = compat.import_tensorflow()
+
+NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
+AGGREGATIONS = ('mean', 'sum')
+# The counts a cycle keeps per replica, by their variables' names.
+GOOD, NONFINITE, WEIGHT = ('good_micro_batches', 'nonfinite_micro_batches',
+                           'micro_batch_weights')
+
+
+class Policy(collections.namedtuple(
+    'Policy', ['nonfinite_policy', 'aggregation', 'weighted'])):
+  """The keywords that decide what a cycle applies (plain values).
+
+  Fields: `nonfinite_policy` (one of NONFINITE_POLICIES), `aggregation`
+  (one of AGGREGATIONS), `weighted` (micro-steps carry a weight).
+  """
+
+  POLICIES = NONFINITE_POLICIES
+
+  @classmethod
+  def checked(cls, nonfinite_policy, aggregation, weighted):
+    """The policy, or a ValueError naming the keyword with a bad value."""
+    return cls(
+        arguments.check_choice(nonfinite_policy, NONFINITE_POLICIES,
+                               'nonfinite_policy'),
+        arguments.check_choice(aggregation, AGGREGATIONS, 'aggregation'),
+        weighted)
+
+  @property
+  def counts(self):
+    """The names of the per-replica counts a cycle keeps, in vector order."""
+    names = (GOOD, NONFINITE) if self.nonfinite_policy else ()
+    return names + ((WEIGHT,) if self.weighted else ())
+
+
+class ReplicaPart(object):
+  """One replica's part of one train op: what its apply step needs.
+
+  Not a tuple: a `merge_call` hands each replica's on whole (PerReplica).
+
+  Args and attributes:
+    state: the train op's record (`cycle.TrainOpState`, shared by the
+      replicas).
+    var_list: the variables.
+    accumulators: their `accumulators.Accumulators` (or `PassThrough`).
+    gradients: the micro-step's weighed gradients.
+    increments: the micro-step's counts (`_increments`).
+    shared_rows: its rows of tables whose list the replicas share, by index.
+  """
+
+  def __init__(self, state, var_list, accumulators, gradients, increments,
+               shared_rows):
+    self.state = state
+    self.var_list = list(var_list)
+    self.accumulators = accumulators
+    self.gradients = gradients
+    self.increments = increments
+    self.shared_rows = shared_rows
 
 
 class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
@@ -54,7 +116,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   Two code paths build the cycle logic, as the original's: the GPU path
   (`use_tpu=False`) decides after a `merge_call`, and each replica's
   wrapped `apply_gradients` all-reduces, so replicas talk only on apply
-  steps; the TPU path (`use_tpu=True`) decides in the replica.
+  steps; the TPU path (`use_tpu=True`) decides in the replica. Runs of one
+  train op from several threads of a session take turns (a lock of its
+  own), so each micro-step counts once.
   """
 
   def __init__(self,
@@ -68,7 +132,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                accumulator_dtype=None,
                clip_norm=None,
                aggregation='mean',
-               micro_batch_weight=None):
+               micro_batch_weight=None,
+               name='GradientAggregationOptimizer'):
     """Constructs the wrapper (the README's keyword table links the guides).
 
     Args:
@@ -91,15 +156,23 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       clip_norm: None, or a positive float: the cycle's gradient is clipped
         to this global norm (over all replicas).
       aggregation: 'mean' (the default, the original's) or 'sum': what the
-        cycle applies of its micro-batch gradients. See `numerics`.
+        cycle applies of its micro-batch gradients.
       micro_batch_weight: None, or a scalar tensor (or a callable, called on
         each replica) weighing the micro-step, e.g. its token count: the
         cycle applies `sum(w_i * g_i) / sum(w_i)` (with 'sum', the numerator).
+      name: the name scope of the ops `apply_gradients` makes, as every
+        `tf.compat.v1.train.Optimizer` takes it.
 
     Raises:
-      TypeError: `opt` is not a `tf.compat.v1.train.Optimizer`, or an argument
-        has the wrong type.
-      ValueError: an argument has a wrong value.
+      TypeError: `opt` is not a `tf.compat.v1.train.Optimizer` (or is a
+        `SyncReplicasOptimizer`); `grad_steps` is neither an int, an integer
+        tensor nor a callable; a flag is not a bool; `accumulator_dtype` is
+        not a dtype; `clip_norm` not a number; `micro_batch_weight` neither
+        a tensor nor a callable; `name` not a string.
+      ValueError: `grad_steps` or `xla_num_partitions` is below 1 (or a
+        tensor `grad_steps` is not a scalar); `accumulator_dtype` is not a
+        float dtype; `clip_norm` is not positive; `nonfinite_policy` or
+        `aggregation` is not one of the choices above.
     """
     arguments.check_optimizer(opt)
     grad_steps = arguments.check_grad_steps(grad_steps)
@@ -117,13 +190,16 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     self._xla_num_partitions = xla_num_partitions
     self._micro_batch_weight = arguments.check_micro_batch_weight(
         micro_batch_weight)
-    self._policy = numerics.Policy.checked(nonfinite_policy, aggregation,
-                                           micro_batch_weight is not None)
-    super(GradientAggregationOptimizer, self).__init__(
-        use_locking=False, name='GradientAggregationOptimizer')
+    self._policy = Policy.checked(nonfinite_policy, aggregation,
+                                  micro_batch_weight is not None)
+    arguments.check_name(name)
+    super(GradientAggregationOptimizer, self).__init__(use_locking=False,
+                                                       name=name)
     self._opt = opt
     self._grad_steps = grad_steps
-    self._states = []  # the `cycle.TrainOpState` of each train op
+    # The records of the train ops built (`cycle.TrainOpState`), with the
+    # names of the ops that end their runs: [(state, [op names])].
+    self._records = []
     self.strategy = tf.distribute.get_strategy()
 
   @property
@@ -135,57 +211,121 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def skipped_micro_batches(self):
     """int64 variable: micro-batches a `nonfinite_policy` skipped, or None.
 
-    That of the train op built last, over replicas, on each apply step.
+    Over replicas, counted on each apply step: that of the train op built
+    last (in this graph if one was built here).
+
+    Raises:
+      ValueError: no train op has been built with this wrapper.
     """
-    return self._last_state().skipped_micro_batches
+    return self._record(None, any_graph=True).skipped_micro_batches
 
   @property
   def skipped_cycles(self):
-    """int64 variable: cycles a `nonfinite_policy` applied nothing in."""
-    return self._last_state().skipped_cycles
-
-  def applies_update(self):
-    """A boolean tensor: True when this run of the train op ends a cycle.
-
-    Fetch it with the train op (it is what the run reads before it counts
-    the micro-step), or use it in the graph (summaries on apply steps). That
-    of the train op built last; with a `nonfinite_policy` a cycle may end
-    applying nothing (`skipped_cycles`).
+    """int64 variable: cycles a `nonfinite_policy` applied nothing in, or
+    None (as `skipped_micro_batches`).
 
     Raises:
-      ValueError: no train op has been built yet.
+      ValueError: no train op has been built with this wrapper.
     """
-    return self._last_state().applies_update()
+    return self._record(None, any_graph=True).skipped_cycles
 
-  def micro_step_in_cycle(self):
-    """An int64 tensor: this run's place in its cycle (see applies_update)."""
-    return self._last_state().micro_step_in_cycle()
+  def applies_update(self, train_op=None):
+    """A boolean tensor: True when a run of the train op ends a cycle.
 
-  def applied_updates(self):
-    """An int64 tensor: the updates the last train op applied before a run.
+    Like `micro_step_in_cycle` and `applied_updates`, it reads the train
+    op's counters as they stand before a run counts its micro-step: fetched
+    with the train op, it says what that run does; fetched alone (a hook, a
+    summary), what the next run will do, with no feed and no write. Use it
+    in the graph too (summaries on apply steps). With a `nonfinite_policy`
+    a cycle may end applying nothing (`skipped_cycles`).
+
+    Args:
+      train_op: the op `minimize` or `apply_gradients` returned (or one that
+        groups it); None: the train op built last in this graph.
+
+    Returns:
+      A boolean scalar tensor.
+
+    Raises:
+      ValueError: no train op has been built with this wrapper in this
+        graph, or `train_op` is not one of them.
+    """
+    return self._record(train_op).applies_update()
+
+  def micro_step_in_cycle(self, train_op=None):
+    """An int64 tensor: a run's place in its cycle, 0 on its first.
+
+    Args:
+      train_op: as for `applies_update`.
+
+    Returns:
+      An int64 scalar tensor (see `applies_update` for when it is read).
+
+    Raises:
+      ValueError: as `applies_update`.
+    """
+    return self._record(train_op).micro_step_in_cycle()
+
+  def applied_updates(self, train_op=None):
+    """An int64 tensor: the updates the train op applied before a run.
 
     For learning-rate schedules, in place of `global_step` (which counts
     micro-steps), through a callable learning rate, called when the train op
-    is built: `learning_rate=lambda: schedule(opt.applied_updates())`.
+    is built: `MomentumOptimizer(lambda: schedule(opt.applied_updates()),
+    0.9)` (`opt` being this wrapper). With an int `grad_steps` it is
+    `global_step // grad_steps`; under a schedule, the train op's own count.
+
+    Args:
+      train_op: as for `applies_update`.
+
+    Returns:
+      An int64 scalar tensor (see `applies_update` for when it is read).
 
     Raises:
-      ValueError: no train op has been built yet, or an int `grad_steps`
-        and a train op built without a `global_step`.
+      ValueError: as `applies_update`; or an int `grad_steps` and a train op
+        built without a `global_step`.
     """
-    return self._last_state().applied_updates()
+    return self._record(train_op).applied_updates()
 
-  def _last_state(self):  # that of the train op built last
-    if not self._states:
-      raise ValueError('No train op has been built with this wrapper yet: '
-                       'call minimize or apply_gradients first.')
-    return self._states[-1]
+  def _record(self, train_op, any_graph=False):
+    """The record (`cycle.TrainOpState`) of `train_op` in this graph."""
+    graph = _outermost_graph()
+    records = [(state, names) for state, names in self._records
+               if state.position is not None and
+               state.position.in_cycle.graph is graph]
+    if any_graph and not records:
+      records = self._records
+    if not records:
+      raise ValueError(
+          'No train op has been built with this wrapper in this graph yet: '
+          'call minimize or apply_gradients first. (For a learning rate, '
+          'pass a callable: it is called as the train op is built.)')
+    if train_op is None:
+      return records[-1][0]
+    op = getattr(train_op, 'op', train_op)
+    wanted = set([op.name] + [o.name for o in op.control_inputs])
+    for state, names in records:
+      if wanted & set(names):
+        return state
+    raise ValueError('train_op=%r is not a train op of this wrapper in this '
+                     'graph: pass the op minimize or apply_gradients '
+                     'returned.' % (train_op,))
 
   def compute_gradients(self, loss, var_list=None, **kwargs):
-    """Delegates to the wrapped optimizer's `compute_gradients`."""
+    """Delegates to the wrapped optimizer's `compute_gradients`.
+
+    Raises:
+      RuntimeError: in eager mode or inside a `tf.function`; on the GPU
+        path in a cross-replica context; under a multi-worker
+        `ParameterServerStrategy`.
+      ValueError: the TPU path under a strategy of several replicas.
+    """
     arguments.check_graph_mode('compute_gradients')
-    distribute.check_replicas(tf.distribute.get_replica_context(),
-                              self._use_tpu, 'compute_gradients')
+    arguments.check_replicas(tf.distribute.get_replica_context(),
+                             self._use_tpu, 'compute_gradients')
     return self._opt.compute_gradients(loss, var_list=var_list, **kwargs)
+
+  # -------------------------------------------------------- the algorithm --
 
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Accumulates a micro-step's gradients; applies their mean every cycle.
@@ -202,205 +342,247 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       An op that runs one micro-step.
 
     Raises:
-      TypeError, ValueError, RuntimeError: see `check_apply_gradients` and
-        `state.count_global_step`.
+      RuntimeError: in eager mode or inside a `tf.function`; on the GPU path
+        in a cross-replica context; under a multi-worker
+        `ParameterServerStrategy`.
+      TypeError: `global_step` is not a `Variable`, or `name` not a string;
+        `micro_batch_weight` is not of a number dtype.
+      ValueError: no pairs, or every gradient is None; the gradients come
+        from a `SyncReplicasOptimizer`; `apply_crs_to_grad=True` outside a
+        TPU computation; the TPU path under a multi-replica strategy;
+        another wrapper train op counts `global_step` and one of the two
+        decides its cycle on it; an `accumulator_dtype` narrower than a
+        variable's; a `micro_batch_weight` not a scalar, or a constant one
+        negative or not finite; a schedule's constant below 1.
     """
-    replica_context = tf.distribute.get_replica_context()
-    present = arguments.check_apply_gradients(
-        grads_and_vars, global_step, name, replica_context, self._use_tpu,
-        self._apply_crs_to_grad)
-    with tf.init_scope():  # checkpoints restore across settings
-      checkpoints.register_default_saver(tf.compat.v1.get_default_graph())
-    var_list = [v for _, v in present]
+    # 1. Checks; the train op's record and accumulators, made once.
     # grad_steps=1: each micro-step is a cycle, applying its own gradients.
     accumulates = not (isinstance(self._grad_steps, int) and
                        self._grad_steps == 1)
-    # Where the wrapped optimizer's non-slot variables go, found before the
-    # name scope opens: `name` changes op names only.
-    wrapped_vars_scope = checkpoints.wrapped_vars_scope(accumulates)
+    replica_context = tf.distribute.get_replica_context()
+    present = arguments.check_apply_gradients(
+        grads_and_vars, global_step, name, replica_context, self._use_tpu,
+        self._apply_crs_to_grad,
+        self._accumulator_dtype if accumulates else None)
+    var_list = [v for _, v in present]
+    strategy = tf.distribute.get_strategy()
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
+    multi_worker = strategy.num_replicas_in_sync > 1 and (
+        compat.in_multi_worker_mode(strategy))
+    # Where the wrapped optimizer's non-slot variables go, found before the
+    # name scope opens (`name` changes op names only); checkpoints restore
+    # across settings (see `checkpoints`).
+    scopes = checkpoints.prepare(accumulates)
     with tf.compat.v1.name_scope(name, self._name) as scope:
       # Variables on parameter servers: the state is the worker's own.
-      local = placement.worker_local(var_list)
+      local = (distribute.worker_local(var_list)
+               if _on_other_jobs(var_list) else None)
       # Sparse or dense is fixed at graph build, from the gradients' types;
       # a cross-replica sum needs the same shape on every core: dense.
       sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
+      policy = self._policy
       with tf.init_scope():
-        own_counter = self._use_tpu or global_step is None or (
-            local is not None)
-        state = state_lib.train_op_state(
-            replica_context, self._grad_steps, accumulates, self._policy,
-            own_counter, global_step, local,
-            numerics.counts_dtype(var_list, self._accumulator_dtype))
-        if accumulates:  # each train op its own (`create_slot`)
+        state = cycle.train_op_state(
+            replica_context, self._grad_steps, accumulates,
+            (policy.nonfinite_policy, policy.weighted, policy.counts,
+             NONFINITE_POLICIES),
+            self._use_tpu or global_step is None or local is not None,
+            global_step, local, _counts_dtype(var_list,
+                                              self._accumulator_dtype),
+            multi_worker)
+        if accumulates:  # each train op its own (see `accumulators`)
           accumulators = accumulators_lib.create(
-              self._opt, present, sparse, self._accumulator_dtype,
-              self._xla_num_partitions, in_xla, local, owner=state)
+              self._opt, present, state, sparse, self._accumulator_dtype,
+              self._xla_num_partitions, in_xla, local, multi_worker)
         else:
           accumulators = accumulators_lib.PassThrough(sparse)
-      if not any(state is own for own in self._states):
-        self._states.append(state)
-        for counter in state.counters():  # restored before it was made
-          compat.handle_deferred_dependencies(self, counter.op.name, counter)
-      # Runs of one train op from several threads of a session take turns
-      # (`cycle.acquire_lock`). Not inside XLA (no mutex compiles), nor where
-      # replicas span workers (their collectives already run in lockstep),
-      # nor with grad_steps=1, which keeps nothing between runs.
-      locked = accumulates and not in_xla and not (
-          distribute.in_multi_worker_mode(tf.distribute.get_strategy()))
-      initialized = placement.initialized_check(local, state.variables())
+      if not any(state is known for known, _ in self._records):
+        self._records.append((state, []))
+        if state.counters:  # restored (object-based) before they were made
+          compat.handle_deferred_dependencies(
+              self, [(v.op.name, v) for v in state.counters])
+
+      # 2. The run's lock and the cycle's position, first: runs of this
+      # train op from several threads take turns (not inside XLA, where no
+      # mutex compiles, nor where workers run in lockstep anyway).
+      locked = accumulates and not (in_xla or multi_worker)
+      initialized = (distribute.initialized_check(local, state.variables())
+                     if local is not None else [])
       lock, position = state.begin_run(locked, initialized)
+
+      # 3. This replica's micro-step: check, weigh, add, count. A micro-step
+      # that fails a check changes nothing: every write waits for them.
       with tf.control_dependencies([lock] if lock is not None else []):
-        weight = arguments.weight_tensor(self._micro_batch_weight)
-        checks = (initialized + position.checks +
-                  arguments.check_weight_value(weight,
-                                               self._policy.nonfinite_policy))
-        micro_step, part = self._micro_step(
-            state, position, var_list, accumulators, [g for g, _ in present],
-            weight, checks)
+        checks = initialized + position.checks
+        weight = None
+        if self._micro_batch_weight is not None:
+          weight = arguments.weight_tensor(self._micro_batch_weight)
+          checks += arguments.check_weight_value(
+              weight, self._policy.nonfinite_policy)
+        gradients = [g for g, _ in present]
+        finite = None
+        if self._policy.nonfinite_policy:
+          finite = _all_finite(gradients + ([weight] if weight is not None
+                                            else []))
+        gradients = _weigh(gradients, weight)
+        increments = _increments(self._policy, finite, weight,
+                                 state.counts_dtype)
+        with tf.control_dependencies(checks):
+          if finite is not None:  # a cond's branches wait for its predicate
+            finite = tf.identity(finite)
+          # (Rows of tables the replicas share a list of: added where they
+          # meet, below.)
+          added, shared = accumulators.add(gradients, position.length,
+                                           finite)
+        with tf.control_dependencies([added]):
+          micro_step = tf.group(
+              added, *(state.add_counts(increments) if increments else []))
+        part = ReplicaPart(state, var_list, accumulators, gradients,
+                           increments, shared)
+
+      # 4. The decision: the TPU path in the replica, the GPU path (the
+      # original's: merge_call outside tf.cond) in the cross-replica context.
       if self._use_tpu:
-        checkpoints.create_wrapped_slots(self._opt, var_list,
-                                         wrapped_vars_scope, self)
-        return self._end_micro_step(None, [micro_step], part)
-    # The original's GPU path: merge_call outside tf.cond.
+        checkpoints.create_wrapped_slots(self._opt, var_list, scopes, self)
+        return self._end_micro_step(None, [micro_step], part, multi_worker)
     return replica_context.merge_call(
         self._end_micro_step_across_replicas,
-        args=(micro_step, part, wrapped_vars_scope, scope))
-
-  # -------------------------------------------------------- the algorithm --
-
-  def _micro_step(self, state, position, var_list, accumulators, gradients,
-                  weight, checks):
-    """1. This replica's micro-step: check, weigh, add.
-
-    `checks` run before anything is added or counted: a micro-step that
-    fails one changes nothing. Returns (its op, its `ReplicaPart`: what
-    the apply step needs of this replica)."""
-    policy = self._policy
-    finite = None
-    if policy.nonfinite_policy:
-      checked = gradients + ([weight] if weight is not None else [])
-      finite = numerics.all_finite(checked)
-    gradients = numerics.weigh(gradients, weight)
-    increments = numerics.increments(policy, finite, weight,
-                                     state.counts_dtype)
-    divisor = numerics.Divisor(position.length)
-    add = lambda: accumulators.add(gradients, divisor)
-    with tf.control_dependencies(checks):
-      if finite is None:
-        added = add()
-      else:  # the predicate waits too: a cond's branches wait for it
-        added = lazy_cond.cond(tf.identity(finite), add, tf.no_op)
-    with tf.control_dependencies([added]):
-      counted = state.add_counts(increments)
-    # Every micro-step is marked, skipped or not (see SparseAccumulator).
-    op = tf.group(added, *(counted + accumulators.mark()))
-    # Rows of tables the replicas share a list of: added where they meet.
-    shared = accumulators.shared_rows(gradients, divisor, finite)
-    return op, cycle.ReplicaPart(state, var_list, accumulators, gradients,
-                                 increments, shared)
+        args=(micro_step, part, scopes, scope, multi_worker))
 
   def _end_micro_step_across_replicas(self, distribution, micro_step, part,
-                                      wrapped_vars_scope, scope):
+                                      scopes, scope, multi_worker):
     """The GPU path's `merge_call`: `_end_micro_step`, cross-replica."""
-    first = lambda value: distribute.first_replica(distribution, value)
-    wrapped_vars_scope = tuple(first(p) for p in wrapped_vars_scope)
-    checkpoints.create_wrapped_slots(self._opt, first(part).var_list,
-                                     wrapped_vars_scope, self)
-    with tf.compat.v1.name_scope(first(scope)):
-      return self._end_micro_step(
-          distribution, distribution.experimental_local_results(micro_step),
-          part)
+    first = distribution.experimental_local_results
+    scopes = tuple(first(s)[0] for s in scopes)
+    checkpoints.create_wrapped_slots(self._opt, first(part)[0].var_list,
+                                     scopes, self)
+    with tf.compat.v1.name_scope(first(scope)[0]):
+      return self._end_micro_step(distribution, first(micro_step), part,
+                                  first(multi_worker)[0])
 
-  def _end_micro_step(self, distribution, micro_steps, part):
-    """2. The decision: the apply step on the cycle's last micro-step.
+  def _end_micro_step(self, distribution, micro_steps, part, multi_worker):
+    """4. The decision, then 6. advance: the apply step on the cycle's end.
 
-    `distribution`: the strategy (GPU path) or None (TPU path);
-    `micro_steps` the micro-step's ops, one per replica; `part` the
-    `ReplicaPart` (PerReplica under a strategy). Returns the micro-step's
-    op, which ends by advancing the cycle.
+    Args:
+      distribution: the strategy (GPU path) or None (TPU path).
+      micro_steps: the micro-step's ops, one per replica.
+      part: the `ReplicaPart` (PerReplica under a strategy).
+      multi_worker: whether the replicas span several workers.
+
+    Returns:
+      The micro-step's op, which ends by counting it.
     """
-    first = distribute.first_replica(distribution, part)
-    state = first.state
-    if distribution is not None:  # the replicas' rows of shared tables
-      with tf.control_dependencies(micro_steps):
-        micro_steps = list(micro_steps) + first.accumulators.append_shared([
-            p.shared_rows for p in
-            distribution.experimental_local_results(part)])
-    position = state.position  # read first, under the run's lock
+    parts = (distribution.experimental_local_results(part)
+             if distribution is not None else [part])
+    state = parts[0].state
+    if distribution is not None and parts[0].shared_rows:
+      with tf.control_dependencies(micro_steps):  # the replicas' shared rows
+        micro_steps = list(micro_steps) + parts[0].accumulators.append_shared(
+            [p.shared_rows for p in parts])
     # Under a multi-worker strategy, a session begun mid-cycle drops it.
-    restart = distribute.mid_cycle_restart()
-    marks = [restart.check(position)] if restart is not None else []
+    restart = distribute.MidCycleRestart() if multi_worker else None
+    marks = [restart.check(state.position)] if restart is not None else []
+    # The branch where the wrapped optimizer updates reads its variables
+    # by handles of its own (`compat.cond`).
+    decides = (self._policy.nonfinite_policy or restart is not None or (
+        self._policy.weighted and self._policy.aggregation == 'mean'))
     with tf.control_dependencies(list(micro_steps) + marks):
-      applied = lazy_cond.cond(
-          position.is_end,
-          lambda: self._apply_step(distribution, part, position, restart),
-          tf.no_op)
-    # After the decision: the cycle's read precedes its write.
-    with tf.control_dependencies([applied]):
-      return state.end_run(state.advance(position))
+      applied = compat.cond(
+          state.position.is_end,
+          lambda: self._apply_step(distribution, part, restart, multi_worker),
+          tf.no_op, [] if decides else self._updated(parts[0].var_list))
+    op = state.advance(state.position, applied)  # 6.
+    for known, names in self._records:
+      if known is state:
+        names.append(op.name)
+    return op
 
-  def _apply_step(self, distribution, part, position, restart):
-    """3. Sum the counts over replicas, decide, apply and reset on each.
+  def _apply_step(self, distribution, part, restart, multi_worker):
+    """5. Sum the counts over replicas once, decide; on each, apply, reset.
 
     `restart`: a `distribute.MidCycleRestart`, or None.
     """
     policy = self._policy
-    state = distribute.first_replica(distribution, part).state
-    # `checks`: under a multi-worker schedule, that the lengths agree.
-    totals, replicas, checks = distribute.summed_counts(
-        policy.counts, distribution, cycle.ReplicaPart.counts_of_cycle, part,
-        self._apply_crs_to_grad,
-        None if isinstance(self._grad_steps, int) else position.length)
-    decision = numerics.should_apply(policy, totals)  # None: always
-    fraction = numerics.scale(policy, totals, replicas, position.length)
-    apply_now = decision
+    parts = (distribution.experimental_local_results(part)
+             if distribution is not None else [part])
+    state = parts[0].state
+    length = state.position.length
+    # Where workers follow one schedule, its length travels with the counts.
+    agree = multi_worker and not isinstance(self._grad_steps, int)
+    totals, replicas, checks = {}, (distribution.num_replicas_in_sync if
+                                    distribution is not None else 1), []
+    if policy.counts or agree:
+      def replica_counts(p):
+        counts = p.state.counts_of_cycle(p.increments)
+        if agree:
+          counts.append(tf.cast(length, counts[0].dtype if counts else
+                                tf.float32))
+        return tf.stack(counts)
+      counts = (replica_counts(part) if distribution is None else
+                distribution.extended.call_for_each_replica(
+                    replica_counts, args=(part,)))
+      counts, replicas, checks = distribute.summed_counts(
+          distribution, counts, self._apply_crs_to_grad,
+          length if agree else None)
+      totals = dict(zip(policy.counts, counts))
+    decision = _should_apply(policy, totals)  # None: always
+    factor = _factor(policy, totals, replicas, length)
     if restart is not None:  # multi-worker: False on a cycle begun mid-way
       kept = restart.keeps_cycle(after=checks)
-      apply_now = kept if decision is None else tf.logical_and(decision, kept)
-    on_each = lambda apply: self._on_each_replica(
-        distribution, part, position.length, fraction if apply else None,
-        apply)
-    if apply_now is None:
+      decision = kept if decision is None else tf.logical_and(decision, kept)
+    on_each = lambda apply: self._on_each_replica(distribution, part, length,
+                                                  factor, apply)
+    if decision is None:
       return on_each(True)
-    applied = lazy_cond.cond(apply_now, lambda: on_each(True),
-                             lambda: on_each(False))
+    applied = compat.cond(decision, lambda: on_each(True),
+                          lambda: on_each(False),
+                          self._updated(parts[0].var_list))
     if not policy.nonfinite_policy:
       return applied
     with tf.control_dependencies([applied]):
       return tf.group(applied, *state.count_skipped(
-          numerics.skipped(totals, decision)))
+          (tf.cast(tf.round(totals[NONFINITE]), tf.int64),
+           1 - tf.cast(decision, tf.int64))))
 
-  def _on_each_replica(self, distribution, part, length, fraction, apply):
+  def _on_each_replica(self, distribution, part, length, factor, apply):
     if distribution is None:  # the TPU path: this replica
-      return self._apply_and_reset(part, length, fraction, apply)
+      return self._apply_and_reset(part, length, factor, apply)
     return distribution.group(distribution.extended.call_for_each_replica(
-        lambda p: self._apply_and_reset(p, length, fraction, apply),
+        lambda p: self._apply_and_reset(p, length, factor, apply),
         args=(part,)))
 
-  def _apply_and_reset(self, part, length, fraction, apply):
-    """4. On one replica: applies the cycle's gradient (if `apply`), resets.
+  def _apply_and_reset(self, part, length, factor, apply):
+    """5. On one replica: applies the cycle's gradient (if `apply`), resets.
 
-    `fraction` (`numerics.scale`) turns the sum of the cycle's `length`
-    micro-steps into the cycle's gradient."""
-    read = part.accumulators.read(length, part.gradients)
+    `factor` (`_factor`) turns the sum of the cycle's `length` micro-steps
+    into the cycle's gradient."""
+    read = part.accumulators.read(length)
     done = tf.no_op()
     if apply:
       gradients = read.gradients
       if self._apply_crs_to_grad:
         gradients = [tf.compat.v1.tpu.cross_replica_sum(g) for g in gradients]
-      gradients = numerics.apply_scale(gradients, fraction)
+      gradients = _scaled(gradients, factor)
       if self._clip_norm is not None:  # the cycle's gradient, complete
-        gradients = numerics.clip_by_global_norm(gradients, self._clip_norm,
-                                                 read.whole)
-      gradients = numerics.cast_like(gradients, part.var_list)
-      with kernels.handles_made_here(self._opt, part.var_list):
-        done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
-    with tf.control_dependencies([done]):
-      resets = part.state.reset_counts()
+        gradients = _clip_by_global_norm(gradients, self._clip_norm,
+                                         read.whole)
+      gradients = [_map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
+                   for g, v in zip(gradients, part.var_list)]
+      done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
+    resets = []
+    if part.state.counts:
+      with tf.control_dependencies([done]):
+        resets = part.state.reset_counts()
     return tf.group(part.accumulators.reset(done, read), *resets)
 
   # ------------------------------------------------ the wrapped optimizer --
+
+  def _updated(self, var_list):
+    """The variables the wrapped optimizer updates: `var_list`, its slots."""
+    slots = [self._opt.get_slot(v, name) for name in self._opt.get_slot_names()
+             if not name.startswith(accumulators_lib.SLOT_NAME)
+             for v in var_list]
+    return list(var_list) + [slot for slot in slots if slot is not None]
 
   def get_slot(self, var, name):
     """The slot `name` of `var`: the wrapped optimizer's, or an accumulator.
@@ -413,13 +595,14 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     Returns:
       The slot variable, or None.
     """
-    for state in self._states:  # a table's list of rows (`accumulators`)
+    for state, _ in self._records:  # a table's list of rows (`accumulators`)
       listed = state.lists.get(id(var))
       if listed is not None and accumulators_lib.slot_name_of(listed) == name:
         return listed
     return self._opt.get_slot(var, name)
 
-  def get_slot_names(self, *args, **kwargs):  # with grad_accum
+  def get_slot_names(self, *args, **kwargs):
+    """The wrapped optimizer's slot names (with `grad_accum`)."""
     return self._opt.get_slot_names(*args, **kwargs)
 
   # ------------------------------- object-based checkpoints (Keras, etc.) --
@@ -430,9 +613,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   def _own_children(self):
     """{name: variable}: this graph's counters of the wrapper's train ops."""
-    graph = tf.compat.v1.get_default_graph()
-    return {v.op.name: v for state in self._states
-            for v in state.counters() if getattr(v, 'graph', None) is graph}
+    graph = _outermost_graph()
+    return {v.op.name: v for state, _ in self._records
+            for v in state.counters if getattr(v, 'graph', None) is graph}
 
   def _trackable_children(self, save_type='checkpoint', **kwargs):
     children = compat.trackable_children(self._opt, save_type, **kwargs)
@@ -451,9 +634,199 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def variables(self):
     """The wrapped optimizer's and the wrapper's variables (this graph's)."""
     variables = list(self._opt.variables())
-    graph = tf.compat.v1.get_default_graph()
-    for state in self._states:
+    graph = _outermost_graph()
+    for state, _ in self._records:
       variables.extend(own for own in state.variables()
                        if getattr(own, 'graph', None) is graph)
     return sorted(variables, key=lambda v: v.name)
 
+
+def _outermost_graph():
+  """The default graph, or the graph a function graph (a cond's branch) is
+  built in."""
+  graph = tf.compat.v1.get_default_graph()
+  while getattr(graph, 'outer_graph', None) is not None:
+    graph = graph.outer_graph
+  return graph
+
+
+def _on_other_jobs(var_list):
+  """True where variables name a job and no strategy places replicas (a
+  parameter-server worker's graph: `distribute.worker_local`)."""
+  return not tf.distribute.has_strategy() and any(
+      tf.DeviceSpec.from_string(v.device or '').job for v in var_list)
+
+
+# ---------------------------------------- what a cycle applies (numerics) --
+
+def _counts_dtype(variables, accumulator_dtype):
+  """The dtype a train op keeps its cycle's counts in.
+
+  That of its widest accumulator, at least float32: a weight sum of
+  fractional weights (0.3 tokens) in float32 would cost a float64 model
+  precision the accumulators keep.
+  """
+  dtypes = [accumulator_dtype or v.dtype.base_dtype for v in variables]
+  return max(dtypes + [tf.float32], key=lambda dtype: dtype.size)
+
+
+def _values(gradient):
+  """The dense values of a Tensor or of an IndexedSlices."""
+  return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _map_values(gradient, fn):
+  """`fn` applied to a Tensor, or to an IndexedSlices' values (same rows)."""
+  if isinstance(gradient, tf.IndexedSlices):
+    return tf.IndexedSlices(fn(gradient.values), gradient.indices,
+                            gradient.dense_shape)
+  return fn(gradient)
+
+
+def _all_finite(gradients):
+  """A boolean scalar: True if no gradient holds a NaN or an inf (an
+  IndexedSlices: in the rows it touches)."""
+  return tf.reduce_all(
+      [tf.reduce_all(tf.math.is_finite(_values(g))) for g in gradients])
+
+
+def _weigh(gradients, weight):
+  """The gradients times `weight` (in their dtype), or as they are."""
+  if weight is None:
+    return list(gradients)
+  return [_map_values(g, lambda x: x * tf.cast(weight, x.dtype))
+          for g in gradients]
+
+
+def _increments(policy, finite, weight, dtype):
+  """What one micro-step adds to its replica's counts (scalars of `dtype`),
+  in the order of `policy.counts`: finite (1 or 0) and not, its weight (0
+  where skipped: a NaN weight stays out)."""
+  added = []
+  if policy.nonfinite_policy:
+    good = tf.cast(finite, dtype)
+    added += [good, 1 - good]
+  if policy.weighted:
+    weight = tf.cast(weight, dtype)
+    added.append(weight if finite is None else
+                 tf.where(finite, weight, tf.zeros_like(weight)))
+  return added
+
+
+def _should_apply(policy, totals):
+  """Whether the cycle applies: None (always), or a boolean scalar of the
+  counts summed over replicas (rounded: after a restore they are sums of
+  equal shares)."""
+  decisions = []
+  if policy.nonfinite_policy == 'skip_micro_batch':
+    decisions.append(tf.round(totals[GOOD]) > 0)
+  elif policy.nonfinite_policy == 'skip_cycle':
+    decisions.append(tf.equal(tf.round(totals[NONFINITE]), 0))
+  if policy.weighted and policy.aggregation == 'mean':
+    decisions.append(totals[WEIGHT] > 0)
+  if not decisions:
+    return None
+  return decisions[0] if len(decisions) == 1 else tf.logical_and(*decisions)
+
+
+def _factor(policy, totals, replicas, length):
+  """The cycle's factor: what turns the accumulated sums into its gradient.
+
+  The accumulators hold the sum of the cycle's gradients divided by its
+  `length` (the original's scale). Returned as a fraction (numerator,
+  denominator) of scalars or numbers, which `_scaled` divides in each
+  gradient's own dtype, so that 4/3 is exact to float64 precision in a
+  float64 model; None where the sums are the cycle's gradient (the mean).
+
+  Args:
+    policy: the `Policy`.
+    totals: {name: the count summed over replicas}.
+    replicas: the number of replicas (a number or a float scalar).
+    length: the cycle's length.
+  """
+  if policy.aggregation == 'sum':
+    return (length, 1)
+  if policy.weighted:
+    # Each replica's loss is divided by the replicas: its share of the
+    # cycle's weight is the sum over replicas divided by the replicas.
+    return (length * replicas, tf.maximum(totals[WEIGHT], 1e-30))
+  if policy.nonfinite_policy == 'skip_micro_batch':
+    # The mean over the finite micro-batches of every replica.
+    return (length * replicas, tf.maximum(totals[GOOD], 1.0))
+  return None
+
+
+def _scaled(gradients, factor):
+  """Each gradient times `numerator / denominator`, in its own dtype."""
+  if factor is None or all(isinstance(part, int) and part == 1
+                           for part in factor):
+    return list(gradients)
+
+  def scaled(value):
+    numerator, denominator = (tf.cast(part, value.dtype) for part in factor)
+    return value * (numerator / denominator)
+
+  return [_map_values(g, scaled) for g in gradients]
+
+
+def _summed_by_id(gradient):
+  """An IndexedSlices with its rows of equal ids added up; a Tensor as is."""
+  if not isinstance(gradient, tf.IndexedSlices):
+    return gradient
+  unique, rows = accumulators_lib.sum_by_id(gradient.indices, gradient.values)
+  return tf.IndexedSlices(rows, unique, gradient.dense_shape)
+
+
+def _clip_by_global_norm(gradients, clip_norm, whole):
+  """Clips the cycle's gradients to `clip_norm`, by their global norm.
+
+  Under a multi-replica strategy each replica holds its part of the sum;
+  the norm is that of the whole sum, so the parts are all-reduced first,
+  and each replica hands on 1/replicas of the clipped sum for the wrapped
+  optimizer's own all-reduce to add up. A table's list that the replicas
+  share is held whole by one replica (`whole`): only its squared norm is
+  all-reduced, and its rows go on sparse and as they are, never densified.
+  A table's gradient holds a row per id looked up, as the large batch's:
+  its rows of equal ids are added up first, so that the norm is the dense
+  gradient's.
+
+  Args:
+    gradients: the cycle's gradients (Tensors or IndexedSlices).
+    clip_norm: the largest global norm.
+    whole: per gradient, whether this replica holds all of the sum over
+      replicas, or none of it (`accumulators.Read.whole`).
+
+  Returns:
+    The clipped gradients.
+  """
+  replica_context = tf.distribute.get_replica_context()
+  replicas = replica_context.num_replicas_in_sync
+  if replicas == 1:
+    return tf.clip_by_global_norm([_summed_by_id(g) for g in gradients],
+                                  clip_norm)[0]
+  # stop_gradient: a replica context's all_reduce is differentiable, and in
+  # graph mode it walks back from its result through every replica's input
+  # to the variables; with ref variables (v1 behaviour) it reaches the
+  # mirrored components and fails ("Unsuccessful at finding variable").
+  sum_over_replicas = lambda values: replica_context.all_reduce(
+      tf.distribute.ReduceOp.SUM, [_map_values(v, tf.stop_gradient)
+                                   for v in values])
+  gradients = list(gradients)
+  parts = [i for i, held in enumerate(whole) if not held]
+  held_whole = [i for i, held in enumerate(whole) if held]
+  squares = []
+  if parts:  # a table's parts are all-reduced sparse: rows of every replica
+    reduced = sum_over_replicas([gradients[i] for i in parts])
+    for i, value in zip(parts, reduced):
+      gradients[i] = _summed_by_id(value)
+    squares.append(tf.square(tf.linalg.global_norm(
+        [gradients[i] for i in parts])))
+  if held_whole:  # held by one replica: the replicas' squares add up to its
+    for i in held_whole:
+      gradients[i] = _summed_by_id(gradients[i])
+    squares.append(sum_over_replicas([tf.square(tf.linalg.global_norm(
+        [gradients[i] for i in held_whole]))])[0])
+  clipped, _ = tf.clip_by_global_norm(gradients, clip_norm,
+                                      use_norm=tf.sqrt(tf.add_n(squares)))
+  return [g if held else _map_values(g, lambda x: x / replicas)
+          for g, held in zip(clipped, whole)]

@@ -141,11 +141,12 @@ def test_a_step_s_ops_grow_with_the_variables_as_promised(optimizer,
   """On many small variables a step's cost is the ops the executor runs.
 
   A micro-step runs a bare step's ops plus a few, not one more per
-  variable (the accumulators' handles are one op per device: `kernels`);
+  variable (the accumulators' handles are one op per device: `compat.handles`);
   control flow v1 lowers the cycle's tf.cond, whose dead tensors pass
   through the apply branch's ops (two per variable). An apply step
   runs, per variable, the wrapped optimizer's update and one zeroing op
-  (the handles and reads are one op per device).
+  (the handles and reads are one op per device; the apply branch reads the
+  variables and slots by handles it makes: `compat.cond`).
   """
   few, many = 4, 40
   (micro_few, apply_few), (micro_many, apply_many) = [
@@ -160,7 +161,7 @@ def test_a_step_s_ops_grow_with_the_variables_as_promised(optimizer,
 def test_the_apply_branch_takes_no_argument_per_variable(optimizer, use_tpu):
   """The cycle's If passes its arguments on every micro-step, applying or
   not: the wrapped optimizer's update reads the variables and its slots by
-  handles made in the branch (`kernels.handles_made_here`)."""
+  handles made in the branch (`compat.cond`)."""
   if not tf.compat.v1.control_flow_v2_enabled():
     pytest.skip('control flow v1 has no If: a Switch per tensor read')
   inputs = []
@@ -197,7 +198,7 @@ def test_cond_runs_as_a_function_on_one_device(use_tpu):
 def _handle_batches(device=None, gpu_in_process=False, monkeypatch=None):
   """The devices of the accumulator handle batches of a 3-variable model."""
   if gpu_in_process:
-    monkeypatch.setattr(deferred_grad.kernels, '_LOCAL_GPUS', [True])
+    monkeypatch.setattr(deferred_grad.compat, '_has_gpu', lambda: True)
   graph = tf.Graph()
   with graph.as_default(), graph.device(device):
     ws = [tf.compat.v1.get_variable('w%d' % i, [2], use_resource=True)

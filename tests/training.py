@@ -253,7 +253,7 @@ def assert_weights_moved(before, after):
 
 
 def listed_rows(value, row_shape):
-  """(ids, rows) of a table's accumulator list (`row_lists.RowListAccumulator`).
+  """(ids, rows) of a table's list of rows (`accumulators.RowListAccumulator`).
 
   Row 0 records the number n of rows listed, an int64 in its first
   columns; each of rows 1 to n an int64 id the same way, then the row's
