@@ -4,6 +4,10 @@ Each example that compares itself with the large batch prints its largest
 difference; the tests hold it to float32 round-off.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import tensorflow as tf
 
@@ -89,3 +93,26 @@ def test_keras_example_trains_and_counts_micro_steps_in_iterations():
   assert last < first
   # An epoch is 16 updates of 2 micro-batches.
   assert 'iterations (micro-steps): 96' in output, output
+
+
+@run_once_per_version
+def test_every_guide_prints_its_help_and_exits_zero():
+  """absl exits 1 after --help; the guides (run_guide.run) exit 0."""
+  guides = sorted(name for name in os.listdir(os.path.join(scripts.TOOLS,
+                                                           'examples'))
+                  if name.endswith('_example.py') or name == 'bert_porting.py')
+  assert len(guides) >= 14, guides
+  # Two at a time: each imports TensorFlow, which takes a few seconds.
+  running = []
+  for guide, flag in [(guide, '--help') for guide in guides] + [
+      (guides[0], '-h')]:
+    running.append((guide, flag, subprocess.Popen(
+        [sys.executable, os.path.join(scripts.TOOLS, 'examples', guide),
+         flag], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        universal_newlines=True)))
+    if len(running) >= 2:
+      running[-2][2].wait(timeout=120)
+  for guide, flag, process in running:
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, (guide, flag, output)
+    assert 'flags:' in output, (guide, flag, output)

@@ -68,12 +68,12 @@ per token count: the two runs end 2.8e-5 apart (2e-6 without it).
 import os
 import re
 
-from absl import app
 from absl import flags
 import numpy as np
 import tensorflow as tf
 
 import deferred_grad
+import run_guide
 
 VOCAB, HIDDEN, SEQUENCE, LAYERS = 20, 32, 6, 2
 
@@ -291,4 +291,4 @@ def main(argv):
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-  app.run(main)
+  run_guide.run(main)

@@ -31,13 +31,13 @@ parameter_server_example.py.
 import os
 import tempfile
 
-from absl import app
 from absl import flags
 import numpy as np
 import tensorflow as tf
 
 import deferred_grad
 from estimator_check import require_estimator
+import run_guide
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
@@ -94,4 +94,4 @@ def main(argv):
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-  app.run(main)
+  run_guide.run(main)

@@ -101,12 +101,12 @@ on, Keras 3 optimizers have `gradient_accumulation_steps`; TensorFlow
 
 import os
 
-from absl import app
 from absl import flags
 import numpy as np
 import tensorflow as tf
 
 import deferred_grad
+import run_guide
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
@@ -207,4 +207,4 @@ def main(argv):
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-  app.run(main)
+  run_guide.run(main)

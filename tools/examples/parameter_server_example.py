@@ -60,13 +60,13 @@ micro-step at K=4, 0.33 MB at K=16.
 import os
 import threading
 
-from absl import app
 from absl import flags
 import numpy as np
 import tensorflow as tf
 
 import deferred_grad
 from local_cluster import free_addresses
+import run_guide
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
@@ -143,4 +143,4 @@ def main(argv):
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-  app.run(main)
+  run_guide.run(main)

@@ -61,12 +61,12 @@ What a script can count on:
 
 import os
 
-from absl import app
 from absl import flags
 import numpy as np
 import tensorflow as tf
 
 import deferred_grad
+import run_guide
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('micro_batch', 256, 'Examples per micro-batch.')
@@ -150,4 +150,4 @@ def main(argv):
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-  app.run(main)
+  run_guide.run(main)

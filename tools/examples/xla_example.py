@@ -37,13 +37,13 @@ actually split over cores, and TPU speed and memory.
 
 import os
 
-from absl import app
 from absl import flags
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.compiler.xla import xla  # pylint: disable=g-direct-tensorflow-import
 
 import deferred_grad
+import run_guide
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
@@ -103,4 +103,4 @@ def main(argv):
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-  app.run(main)
+  run_guide.run(main)
