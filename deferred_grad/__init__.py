@@ -5,10 +5,6 @@ applies the mean gradient of `grad_steps` micro-batches once per cycle, so
 that training matches one batch `grad_steps` times larger.
 """
 
-from __future__ import absolute_import
-from __future__ import division
-from __future__ import print_function
-
 from deferred_grad import compat as _compat
 
 _compat.import_tensorflow()

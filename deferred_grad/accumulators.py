@@ -36,10 +36,6 @@ is kept: zeros are made at run time (`run_time_zeros`), and a large
 accumulator is zeroed in its own buffer (`_zero`).
 """
 
-from __future__ import absolute_import
-from __future__ import division
-from __future__ import print_function
-
 import collections
 import contextlib
 import itertools
@@ -235,7 +231,15 @@ def ids_of(gradient):
 
 
 def sum_by_id(ids, rows):
-  """(unique ids, rows of equal ids added up in their order)."""
+  """Adds up the rows of equal ids.
+
+  Args:
+    ids: an int64 vector.
+    rows: a tensor with a row per id.
+
+  Returns:
+    (the unique ids in their order of first appearance, their summed rows).
+  """
   unique, positions = tf.unique(ids)
   return unique, tf.math.unsorted_segment_sum(rows, positions,
                                               tf.size(unique))
@@ -697,13 +701,30 @@ class Accumulators(object):
     return shared
 
   def append_shared(self, rows_of_replicas):
-    """Ops appending each replica's `shared_rows`, in replica order."""
+    """Appends each replica's rows of the lists the replicas share.
+
+    Args:
+      rows_of_replicas: each replica's `add` result's second item
+        ({index: rows}), in replica order.
+
+    Returns:
+      A list of ops, one per shared list.
+    """
     return [self._accumulators[index].append(
         [rows[index] for rows in rows_of_replicas])
             for index in sorted(rows_of_replicas[0])]
 
   def read(self, length):
-    """A `Read`: the cycle's sums (of its `length` micro-steps), in order."""
+    """Reads the cycle's sums, for the apply step.
+
+    Args:
+      length: the cycle's length (an int, or an int64 scalar).
+
+    Returns:
+      A `Read`: the sums in the order of the variables (tensors, or
+      `tf.IndexedSlices` for tables), the handles the reads used, and per
+      sum whether this replica holds all of it.
+    """
     indices = [i for i, a in enumerate(self._accumulators) if a.in_place]
     found, read_values = compat.read(
         [self._accumulators[i].local for i in indices])
@@ -728,6 +749,9 @@ class Accumulators(object):
     Args:
       after: the op (the wrapped optimizer's apply) that must run first.
       read: what `read` returned.
+
+    Returns:
+      An op.
     """
     previous = after
     resets = []
@@ -753,20 +777,40 @@ class PassThrough(object):
     self._gradients = []
 
   def add(self, gradients, length, finite=None):
+    """Keeps the micro-step's `gradients` for `read`; adds nothing.
+
+    Args:
+      gradients: the micro-step's gradients.
+      length: unused (1).
+      finite: unused: a skipped micro-step's cycle applies nothing.
+
+    Returns:
+      (a no-op, {}): as `Accumulators.add`.
+    """
     del length, finite
     self._gradients = list(gradients)
     return tf.no_op(), {}
 
   def append_shared(self, unused):
+    """Nothing is shared. Returns: []."""
     return []
 
   def read(self, length):
+    """The micro-step's gradients as a `Read` (densified unless `sparse`).
+
+    Args:
+      length: unused (1).
+
+    Returns:
+      A `Read`.
+    """
     del length
     gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
                  and not self._sparse else g for g in self._gradients]
     return Read(gradients, {}, [False] * len(gradients))
 
   def reset(self, after, read):
+    """Nothing to reset. Returns: `after`."""
     del read
     return after
 
@@ -850,7 +894,15 @@ def _list_of_rows(variable, columns, dtype, owner, device):
 
 
 def slot_name_of(accumulator):
-  """The slot name (`grad_accum`, `grad_accum_1`, ...) of an accumulator."""
+  """The slot name (`grad_accum`, `grad_accum_1`, ...) of an accumulator.
+
+  Args:
+    accumulator: an accumulator variable (`<variable>/GradientAccumulator`,
+      `..._1`, ...).
+
+  Returns:
+    A string.
+  """
   return SLOT_NAME + accumulator.op.name.rsplit(SLOT_OP_NAME, 1)[-1]
 
 

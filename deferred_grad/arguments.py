@@ -1,9 +1,5 @@
 """Checks of the wrapper's arguments: each error names the argument and value."""
 
-from __future__ import absolute_import
-from __future__ import division
-from __future__ import print_function
-
 import numbers
 
 import numpy as np
@@ -16,6 +12,13 @@ tf = compat.import_tensorflow()
 
 def check_positive_int(value, arg_name):
   """Returns `value` as an int, or raises naming `arg_name`.
+
+  Args:
+    value: the argument's value.
+    arg_name: its name, for the message.
+
+  Returns:
+    `value` as an int.
 
   Raises:
     TypeError: not an int (a bool, a float and a string are refused).
@@ -39,6 +42,12 @@ def check_grad_steps(grad_steps):
 
   An int (also a numpy integer) keeps the original's fixed cycle; a tensor
   or a callable is a schedule, read once per cycle (see `cycle.Schedule`).
+
+  Args:
+    grad_steps: the constructor's argument.
+
+  Returns:
+    An int, an int64 scalar tensor or the callable.
 
   Raises:
     TypeError: neither an int, an integer tensor nor a callable (a bool, a
@@ -64,6 +73,9 @@ def check_schedule_value(value, source):
     value: what the schedule gave (a tensor, or a number from a callable).
     source: how the value was made, for messages ('a tensor', 'the callable').
 
+  Returns:
+    The value as an integer tensor.
+
   Raises:
     TypeError: not of an integer dtype.
     ValueError: not a scalar, or a constant below 1.
@@ -87,7 +99,18 @@ def check_schedule_value(value, source):
 
 
 def check_bool(value, arg_name):
-  """Returns `value`, or raises a TypeError naming `arg_name`."""
+  """Returns `value`, or raises a TypeError naming `arg_name`.
+
+  Args:
+    value: the argument's value.
+    arg_name: its name, for the message.
+
+  Returns:
+    `value`.
+
+  Raises:
+    TypeError: `value` is not a bool.
+  """
   # A string such as 'False' is truthy: refuse it rather than guess.
   if not isinstance(value, bool):
     raise TypeError('%s must be a bool, got %r of type %s.' %
@@ -109,6 +132,16 @@ def check_optimizer(opt):
   """Raises a TypeError unless `opt` is a `tf.compat.v1.train.Optimizer`.
 
   `SyncReplicasOptimizer` is refused too (see `check_not_synced`).
+
+  Args:
+    opt: the constructor's `opt`.
+
+  Returns:
+    `opt`.
+
+  Raises:
+    TypeError: `opt` is not a `tf.compat.v1.train.Optimizer`, or is a
+      `SyncReplicasOptimizer`.
   """
   if not isinstance(opt, tf.compat.v1.train.Optimizer):
     raise TypeError(
@@ -140,7 +173,18 @@ def check_not_synced(gradients):
 
 
 def check_accumulator_dtype(dtype):
-  """Returns None or a float `tf.DType`, or raises naming the argument."""
+  """Returns None or a float `tf.DType`, or raises naming the argument.
+
+  Args:
+    dtype: `accumulator_dtype`: None, or anything `tf.as_dtype` takes.
+
+  Returns:
+    None, or a float `tf.DType`.
+
+  Raises:
+    TypeError: not a dtype.
+    ValueError: not a float dtype.
+  """
   if dtype is None:
     return None
   try:
@@ -176,7 +220,18 @@ def check_accumulator_width(dtype, variable):
 
 
 def check_clip_norm(clip_norm):
-  """Returns None or a positive number, or raises naming the argument."""
+  """Returns None or a positive number, or raises naming the argument.
+
+  Args:
+    clip_norm: the constructor's `clip_norm`.
+
+  Returns:
+    `clip_norm`.
+
+  Raises:
+    TypeError: neither None nor a real number (a bool is refused).
+    ValueError: not positive.
+  """
   if clip_norm is None:
     return None
   if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real):
@@ -189,7 +244,14 @@ def check_clip_norm(clip_norm):
 
 
 def check_graph_mode(method):
-  """Raises a RuntimeError in eager mode or inside a `tf.function`."""
+  """Raises a RuntimeError in eager mode or inside a `tf.function`.
+
+  Args:
+    method: the name of the method called, for the message.
+
+  Raises:
+    RuntimeError: eager execution, or inside a `tf.function`.
+  """
   if tf.compat.v1.executing_eagerly_outside_functions():
     if compat.keras_major_version() >= 3:
       alternative = ('the Keras 3 optimizers of this TensorFlow offer '
@@ -232,6 +294,14 @@ def check_cross_replica_sum(apply_crs_to_grad):
 def check_choice(value, choices, arg_name):
   """Returns `value` if it is one of `choices`, or raises naming `arg_name`.
 
+  Args:
+    value: the argument's value.
+    choices: the values allowed.
+    arg_name: its name, for the message.
+
+  Returns:
+    `value`.
+
   Raises:
     ValueError: `value` is not one of `choices`.
   """
@@ -244,6 +314,12 @@ def check_choice(value, choices, arg_name):
 
 def check_micro_batch_weight(micro_batch_weight):
   """Returns `micro_batch_weight`, or raises a TypeError naming it.
+
+  Args:
+    micro_batch_weight: the constructor's argument.
+
+  Returns:
+    `micro_batch_weight`.
 
   Raises:
     TypeError: neither None, a tensor nor a callable.
@@ -270,6 +346,12 @@ def weight_tensor(micro_batch_weight):
   A callable is called here: in `apply_gradients`, on each replica. A value
   known at graph build is checked here; others at run time, by
   `check_weight_value`.
+
+  Args:
+    micro_batch_weight: None, a tensor, or a callable returning one.
+
+  Returns:
+    A float64 scalar tensor, or None.
 
   Raises:
     TypeError: the weight is not of a real number dtype (int or float).
@@ -335,14 +417,18 @@ def check_apply_gradients(grads_and_vars, global_step, name,
     use_tpu, apply_crs_to_grad: the wrapper's keywords.
     accumulator_dtype: the wrapper's, where the train op accumulates.
 
+  Returns:
+    A list of (gradient, variable) pairs.
+
   Raises:
     RuntimeError: in eager mode or inside a `tf.function`; on the GPU path
       in a cross-replica context; under a multi-worker
-      ParameterServerStrategy (see `distribute.check_replicas`).
+      ParameterServerStrategy (see `check_replicas`).
     TypeError: `global_step` is not a `Variable`, or `name` not a string.
     ValueError: no pairs, or every gradient is None; or the gradients come
       from a `SyncReplicasOptimizer`; or `apply_crs_to_grad=True` outside a
-      TPU computation.
+      TPU computation; or `accumulator_dtype` is narrower than a
+      variable's dtype.
   """
   check_graph_mode('apply_gradients')
   grads_and_vars = tuple(grads_and_vars)
@@ -373,6 +459,13 @@ def sum_duplicates(pairs):
   end to end) gets the sum of its gradients: the gradient of the sum of
   the losses, which the cycle then accumulates once. Accumulated twice in
   one slot, each pair's apply would hand on both.
+
+  Args:
+    pairs: (gradient, variable) pairs, gradients not None.
+
+  Returns:
+    A list of (gradient, variable) pairs, each variable once, in the order
+    of its first pair.
   """
   summed = []
   for gradient, variable in pairs:
@@ -443,7 +536,17 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
 
 
 def check_name(name):
-  """Returns `name`, the optimizer's, or raises a TypeError naming it."""
+  """Returns `name`, the optimizer's, or raises a TypeError naming it.
+
+  Args:
+    name: the constructor's `name`.
+
+  Returns:
+    `name`.
+
+  Raises:
+    TypeError: not a non-empty string.
+  """
   if not isinstance(name, six.string_types) or not name:
     raise TypeError('name must be a non-empty string (the name scope of the '
                     'ops apply_gradients makes), got %r.' % (name,))

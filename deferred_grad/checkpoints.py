@@ -32,10 +32,6 @@ The records live in graph collections under tuple keys, as TensorFlow's
 variable store does: they are not serialized into meta graphs.
 """
 
-from __future__ import absolute_import
-from __future__ import division
-from __future__ import print_function
-
 import re
 
 from deferred_grad import compat
@@ -229,9 +225,17 @@ def _check_settings(records, now, save_path, keys, afresh):
 
 
 def prepare(in_cond):
-  """Makes `Saver` the graph's default saver (`register_default_saver`);
-  returns where the wrapped optimizer's non-slot variables go
-  (`wrapped_vars_scope`). Call it before opening the wrapper's name scope.
+  """Makes `Saver` the graph's default saver (`register_default_saver`).
+
+  Call it before opening the wrapper's name scope.
+
+  Args:
+    in_cond: whether the wrapped optimizer applies inside the cycle's
+      `tf.cond`, where the original named its non-slot variables.
+
+  Returns:
+    `wrapped_vars_scope(in_cond)`: (the absolute name scope of the wrapped
+    optimizer's non-slot variables, the caller's absolute scope).
   """
   with tf.init_scope():
     register_default_saver(tf.compat.v1.get_default_graph())
@@ -382,6 +386,10 @@ class Saver(tf.compat.v1.train.Saver):
   """
 
   def build(self):
+    """Builds the save and restore ops (as `tf.compat.v1.train.Saver`'s),
+    with the train ops' settings and the wrapped optimizer's variables under
+    their names without the wrapper, and the restore ops of each other name
+    a variable may have in a checkpoint."""
     graph = tf.compat.v1.get_default_graph()
     self._settings = list(graph.get_collection(_SETTINGS))
     restored = self._var_list
@@ -456,6 +464,9 @@ class Saver(tf.compat.v1.train.Saver):
     Args:
       sess: the session.
       save_path: the checkpoint's path prefix.
+
+    Returns:
+      None (as `tf.compat.v1.train.Saver.restore`).
 
     Raises:
       tf.errors.NotFoundError: the checkpoint lacks a variable that is not

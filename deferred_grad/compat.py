@@ -20,10 +20,6 @@ Setting DEFERRED_GRAD_PUBLIC_API_ONLY=1 selects the fallbacks (the tests
 run them). The measured gains are in README "Performance".
 """
 
-from __future__ import absolute_import
-from __future__ import division
-from __future__ import print_function
-
 import os
 import re
 import warnings
@@ -142,6 +138,9 @@ def in_xla_context():
   Also inside a function graph built within one (a control flow v2 branch),
   whose own graph knows nothing of the XLA context around it. Fallback:
   False (TensorFlow has no public test for it).
+
+  Returns:
+    A bool.
   """
   if public_api_only():
     return False
@@ -157,7 +156,14 @@ def in_xla_context():
 
 
 def in_multi_worker_mode(strategy):
-  """True under a strategy whose replicas span several worker processes."""
+  """True under a strategy whose replicas span several worker processes.
+
+  Args:
+    strategy: a `tf.distribute.Strategy`.
+
+  Returns:
+    A bool. Fallback: whether its cluster resolver names several tasks.
+  """
   if not public_api_only():
     in_multi_worker = getattr(strategy.extended, '_in_multi_worker_mode',
                               None)
@@ -533,7 +539,16 @@ def plain_global_step_read(global_step):
 
 
 def trackable_children(opt, save_type, **kwargs):
-  """`opt`'s object-graph children (its non-slot variables), or {}."""
+  """`opt`'s object-graph children (its non-slot variables).
+
+  Args:
+    opt: the wrapped optimizer.
+    save_type: as Trackable's `_trackable_children`.
+    **kwargs: its other arguments.
+
+  Returns:
+    {name: trackable}; fallback: {} (the wrapper shows no children).
+  """
   children = getattr(opt, '_trackable_children', None)
   if children is None or public_api_only():
     return {}
@@ -541,7 +556,16 @@ def trackable_children(opt, save_type, **kwargs):
 
 
 def lookup_dependency(opt, name, cached_dependencies=None):
-  """`opt`'s child `name` in the current graph, or None."""
+  """`opt`'s child `name` in the current graph.
+
+  Args:
+    opt: the wrapped optimizer.
+    name: the child's name in a checkpoint's object graph.
+    cached_dependencies: as Trackable's `_lookup_dependency`.
+
+  Returns:
+    The trackable, or None (also the fallback).
+  """
   lookup = getattr(opt, '_lookup_dependency', None)
   if lookup is None or public_api_only():
     return None
@@ -550,7 +574,14 @@ def lookup_dependency(opt, name, cached_dependencies=None):
 
 def create_or_restore_slot_variable(opt, position, slot_name, variable):
   """Hands a checkpoint's slot value to `opt`, which restores it into the
-  slot now or as the slot is made (`restore_slot_variables`)."""
+  slot now or as the slot is made (`restore_slot_variables`).
+
+  Args:
+    opt: the wrapped optimizer.
+    position: the checkpoint position of the slot's value.
+    slot_name: the slot's name.
+    variable: the variable the slot belongs to.
+  """
   restore = getattr(opt, '_create_or_restore_slot_variable', None)
   if restore is not None and not public_api_only():
     restore(position, slot_name, variable)

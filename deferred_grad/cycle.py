@@ -30,10 +30,6 @@ the same variable. The records live in graph collections under tuple keys
 (not serialized into meta graphs), as TensorFlow's variable store does.
 """
 
-from __future__ import absolute_import
-from __future__ import division
-from __future__ import print_function
-
 import collections
 import contextlib
 
@@ -301,10 +297,17 @@ class TrainOpState(object):
 
   def advance(self, position, after):
     """Counts the micro-step at `position` once `after` has run; releases
-    the run's lock. Returns the op that ends the micro-step.
+    the run's lock.
 
     After every value derived from the position's read too: under ref
     variables (v1 behaviour) a read may alias the buffer written here.
+
+    Args:
+      position: the `Position` that `begin_run` read.
+      after: the op of the micro-step's work (adds, apply step).
+
+    Returns:
+      The op that ends the micro-step.
     """
     derived = [t for t in (position.in_cycle, position.is_end,
                            position.updates) if tf.is_tensor(t)]
@@ -319,7 +322,14 @@ class TrainOpState(object):
       return tf.raw_ops.ConsumeMutexLock(mutex_lock=self.lock)
 
   def add_counts(self, increments):
-    """Ops adding a micro-step's increments to this replica's counts."""
+    """Adds a micro-step's increments to this replica's counts.
+
+    Args:
+      increments: the micro-step's counts, in the order of `counts`.
+
+    Returns:
+      A list of ops (none where the micro-step is its cycle).
+    """
     if not self.counts:
       return []
     counts = compat.local_variables(list(self.counts.values()))
@@ -331,6 +341,12 @@ class TrainOpState(object):
 
     Copied: under ref variables (v1 behaviour) a read may alias the
     variable's buffer, which the apply step then resets in place.
+
+    Args:
+      increments: the micro-step's counts (ordered after they are added).
+
+    Returns:
+      A list of scalar tensors, in the order of `counts`.
     """
     if self.counts is None:
       counts = list(increments)
@@ -340,29 +356,51 @@ class TrainOpState(object):
     return tf.unstack(tf.stack(counts)) if counts else []
 
   def reset_counts(self):
-    """Ops zeroing this replica's counts for the next cycle."""
+    """Zeroes this replica's counts for the next cycle.
+
+    Returns:
+      A list of ops.
+    """
     if not self.counts:
       return []
     return [v.assign(0.0, read_value=False) for v in
             compat.local_variables(list(self.counts.values()))]
 
   def count_skipped(self, skipped):
-    """Ops adding (micro-batches, cycles) skipped to the totals."""
+    """Adds what a `nonfinite_policy` skipped to the totals.
+
+    Args:
+      skipped: (micro-batches, cycles), int64 scalars.
+
+    Returns:
+      A list of ops (none without a policy).
+    """
     if self.skipped_cycles is None:
       return []
     return [total.assign_add(value, read_value=False) for total, value in
             zip((self.skipped_micro_batches, self.skipped_cycles), skipped)]
 
   def applies_update(self):
-    """True when a run ends a cycle (a boolean tensor; see `Position`)."""
+    """Whether a run ends a cycle (see `Position`).
+
+    Returns:
+      A boolean scalar tensor.
+    """
     return tf.convert_to_tensor(self.position.is_end)
 
   def micro_step_in_cycle(self):
-    """A run's place in its cycle, an int64 tensor (see `Position`)."""
+    """A run's place in its cycle, 0 on its first (see `Position`).
+
+    Returns:
+      An int64 scalar tensor.
+    """
     return self.position.in_cycle
 
   def applied_updates(self):
-    """The updates this train op has applied before a run (int64).
+    """The updates this train op has applied before a run.
+
+    Returns:
+      An int64 scalar tensor.
 
     Raises:
       ValueError: an int `grad_steps` without a `global_step`.
@@ -377,7 +415,11 @@ class TrainOpState(object):
     return self.position.updates
 
   def variables(self):
-    """The train op's variables: its counters and its tables' lists."""
+    """The train op's variables: its counters and its tables' lists.
+
+    Returns:
+      A list of variables.
+    """
     return self.counters + list(self.lists.values())
 
 

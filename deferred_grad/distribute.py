@@ -11,10 +11,6 @@ session began mid-way (`MidCycleRestart`). On parameter-server workers
 (`worker_local`) the state is the worker's own.
 """
 
-from __future__ import absolute_import
-from __future__ import division
-from __future__ import print_function
-
 import contextlib
 
 from deferred_grad import compat
@@ -181,6 +177,9 @@ def check_agreed(total, replicas, length):
     total: the sum over replicas of each one's length (a float scalar).
     replicas: the number of replicas.
     length: this worker's length (int64).
+
+  Returns:
+    The `tf.debugging.Assert` op.
   """
   return tf.debugging.Assert(
       tf.equal(total, replicas * tf.cast(length, total.dtype)),
@@ -219,6 +218,10 @@ class MidCycleRestart(object):
 
     Args:
       position: the micro-step's `cycle.Position`.
+
+    Returns:
+      An op (a warning printed and the cycle marked as dropped, where it is
+      mid-cycle; else nothing).
     """
     in_cycle = position.in_cycle
     first = tf.equal(self._started.size(), 0)
@@ -242,9 +245,14 @@ class MidCycleRestart(object):
       return self._started.enqueue_many([tf.boolean_mask([True], [first])])
 
   def keeps_cycle(self, after=()):
-    """On an apply step: False if the cycle is dropped (and unmarks it).
+    """On an apply step: whether the cycle is kept (and unmarks it).
 
-    `after`: ops to run first (see `check_agreed`).
+    Args:
+      after: ops to run first (see `check_agreed`).
+
+    Returns:
+      A boolean scalar tensor: False where this session started mid-cycle
+      and the cycle is dropped.
     """
     with tf.control_dependencies(after):
       taken = self._dropped.dequeue_many(self._dropped.size())
@@ -325,7 +333,14 @@ def initialized_check(local, state_variables):
 
 
 def worker_local(var_list):
-  """A `WorkerLocal` where `var_list` lives on other jobs, else None."""
+  """Where the wrapper's state goes on a parameter-server worker.
+
+  Args:
+    var_list: the variables the train op updates.
+
+  Returns:
+    A `WorkerLocal` where they live on other jobs (the ps), else None.
+  """
   device = worker_device(var_list)
   return WorkerLocal(device) if device else None
 

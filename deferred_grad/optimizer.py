@@ -24,10 +24,6 @@ and workers meet), `checkpoints` (names, `deferred_grad.Saver`),
 public fallback).
 """
 
-from __future__ import absolute_import
-from __future__ import division
-from __future__ import print_function
-
 import collections
 
 from deferred_grad import accumulators as accumulators_lib
@@ -58,7 +54,20 @@ class Policy(collections.namedtuple(
 
   @classmethod
   def checked(cls, nonfinite_policy, aggregation, weighted):
-    """The policy, or a ValueError naming the keyword with a bad value."""
+    """The policy of the constructor's keywords.
+
+    Args:
+      nonfinite_policy: one of NONFINITE_POLICIES.
+      aggregation: one of AGGREGATIONS.
+      weighted: whether a `micro_batch_weight` was given.
+
+    Returns:
+      A `Policy`.
+
+    Raises:
+      ValueError: `nonfinite_policy` or `aggregation` is not one of its
+        choices (the message names the keyword and the value).
+    """
     return cls(
         arguments.check_choice(nonfinite_policy, NONFINITE_POLICIES,
                                'nonfinite_policy'),
@@ -313,6 +322,15 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   def compute_gradients(self, loss, var_list=None, **kwargs):
     """Delegates to the wrapped optimizer's `compute_gradients`.
+
+    Args:
+      loss: the micro-batch's loss (a tensor, or a callable in eager code).
+      var_list: the variables to differentiate, or None (the trainable ones).
+      **kwargs: the wrapped optimizer's other arguments (`gate_gradients`,
+        `aggregation_method`, `colocate_gradients_with_ops`, `grad_loss`).
+
+    Returns:
+      The (gradient, variable) pairs, for `apply_gradients`.
 
     Raises:
       RuntimeError: in eager mode or inside a `tf.function`; on the GPU
@@ -602,7 +620,15 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     return self._opt.get_slot(var, name)
 
   def get_slot_names(self, *args, **kwargs):
-    """The wrapped optimizer's slot names (with `grad_accum`)."""
+    """The wrapped optimizer's slot names (with `grad_accum`).
+
+    Args:
+      *args: the wrapped optimizer's `get_slot_names` arguments.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      A list of strings.
+    """
     return self._opt.get_slot_names(*args, **kwargs)
 
   # ------------------------------- object-based checkpoints (Keras, etc.) --
@@ -632,7 +658,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         self._opt, slot_variable_position, slot_name, variable)
 
   def variables(self):
-    """The wrapped optimizer's and the wrapper's variables (this graph's)."""
+    """The wrapped optimizer's and the wrapper's variables (this graph's).
+
+    Returns:
+      The wrapped optimizer's non-slot variables, and each train op's
+      counters and tables' lists of rows built in the current graph, sorted
+      by name (the dense accumulators are the wrapped optimizer's slots).
+    """
     variables = list(self._opt.variables())
     graph = _outermost_graph()
     for state, _ in self._records:

@@ -6,10 +6,6 @@ they have fewer rows than columns, else on dimension 0; tensors of any other
 rank are left alone.
 """
 
-from __future__ import absolute_import
-from __future__ import division
-from __future__ import print_function
-
 from deferred_grad import compat
 
 xla_sharding = compat.import_xla_sharding()
