@@ -257,7 +257,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
     Raises:
       ValueError: no train op has been built with this wrapper in this
-        graph, or `train_op` is not one of them.
+        graph, or `train_op` is not one of them (or groups several).
     """
     return self._record(train_op).applies_update()
 
@@ -311,14 +311,25 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
           'pass a callable: it is called as the train op is built.)')
     if train_op is None:
       return records[-1][0]
-    op = getattr(train_op, 'op', train_op)
-    wanted = set([op.name] + [o.name for o in op.control_inputs])
-    for state, names in records:
-      if wanted & set(names):
-        return state
-    raise ValueError('train_op=%r is not a train op of this wrapper in this '
-                     'graph: pass the op minimize or apply_gradients '
-                     'returned.' % (train_op,))
+    # The op, or a group of it (`tf.group` nests its control inputs).
+    found, seen = [], set()
+    pending = [getattr(train_op, 'op', train_op)]
+    while pending and len(seen) < 10000:
+      op = pending.pop()
+      if op.name in seen:
+        continue
+      seen.add(op.name)
+      for state, names in records:
+        if op.name in names and all(state is not f for f in found):
+          found.append(state)
+      pending.extend(op.control_inputs)
+    if len(found) == 1:
+      return found[0]
+    raise ValueError(
+        'train_op=%r %s: pass the op minimize or apply_gradients returned (or '
+        'a group of it).' % (train_op, (
+            'groups several train ops of this wrapper' if found else
+            'is not a train op of this wrapper in this graph')))
 
   def compute_gradients(self, loss, var_list=None, **kwargs):
     """Delegates to the wrapped optimizer's `compute_gradients`.

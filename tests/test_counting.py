@@ -188,3 +188,64 @@ def test_counters_fetched_alone_need_no_feed_and_change_nothing(kind,
       assert updates == step // GRAD_STEPS
       fetched = session.run([train_op] + counters, feed)[1:]
       assert fetched == probed[0]
+
+
+def test_counters_of_the_train_op_asked_for(use_tpu):
+  """A wrapper that built two train ops reads each one's counters
+  (`train_op=`; a group of it too); by default the one built last."""
+  k = 2
+  with tf.Graph().as_default():
+    a = tf.compat.v1.get_variable('a', [2], initializer=tf.ones_initializer())
+    b = tf.compat.v1.get_variable('b', [2], initializer=tf.ones_initializer())
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    opt = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), k, use_tpu=use_tpu)
+    train_a = opt.minimize(tf.reduce_sum(a * a), global_step=global_step)
+    train_b = opt.minimize(tf.reduce_sum(b * b))  # its own update_count
+    grouped_a = tf.group(train_a, tf.no_op())
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for _ in range(3):
+        session.run(train_a)
+      session.run(train_b)
+      for op in (train_a, grouped_a):
+        assert session.run(opt.micro_step_in_cycle(train_op=op)) == 3 % k
+        assert session.run(opt.applies_update(train_op=op)) == (
+            3 % k == k - 1)
+        assert session.run(opt.applied_updates(train_op=op)) == 3 // k
+      assert session.run(opt.micro_step_in_cycle(train_op=train_b)) == 1
+      assert session.run(opt.micro_step_in_cycle()) == 1  # train_b's
+      assert session.run(opt.applies_update()) == (1 == k - 1)
+  with train_b.graph.as_default():  # int grad_steps, no global_step
+    with pytest.raises(ValueError, match='global_step'):
+      opt.applied_updates(train_op=train_b)
+  with train_a.graph.as_default():
+    with pytest.raises(ValueError, match='is not a train op'):
+      opt.micro_step_in_cycle(train_op=tf.no_op())
+    with pytest.raises(ValueError, match='groups several'):
+      opt.micro_step_in_cycle(train_op=tf.group(train_a, train_b))
+  with tf.Graph().as_default():  # another graph: no train op built there
+    with pytest.raises(ValueError, match='minimize or apply_gradients'):
+      opt.applies_update()
+
+
+def test_the_constructor_name_scopes_the_ops_not_the_variables(use_tpu):
+  def build(**kwargs):
+    graph = tf.Graph()
+    with graph.as_default():
+      w = tf.compat.v1.get_variable('w', [2])
+      global_step = tf.compat.v1.train.get_or_create_global_step()
+      opt = deferred_grad.GradientAggregationOptimizer(
+          tf.compat.v1.train.AdamOptimizer(0.1), 2, use_tpu=use_tpu,
+          **kwargs)
+      train_op = opt.minimize(tf.reduce_sum(w * w), global_step=global_step)
+      names = sorted(v.op.name for v in tf.compat.v1.global_variables())
+    return train_op, names, graph
+
+  train_op, names, graph = build(name='my_accumulation')
+  default_op, default_names, _ = build()
+  assert names == default_names
+  assert train_op.name.startswith('my_accumulation')
+  assert default_op.name.startswith('GradientAggregationOptimizer')
+  assert not [op.name for op in graph.get_operations()
+              if op.name.startswith('GradientAggregationOptimizer')]

@@ -107,13 +107,13 @@ def main(argv):
     x, labels, loss, w = _model()
     global_step = tf.compat.v1.train.get_or_create_global_step()
     growth = tf.constant(GROWTH, tf.int64)
-    wrapper = []
+    # The learning rate is a callable, called as minimize builds the train
+    # op: `opt` is the wrapper by then.
     opt = deferred_grad.GradientAggregationOptimizer(
         tf.compat.v1.train.AdamOptimizer(
-            lambda: _learning_rate(wrapper[0].applied_updates())),
+            lambda: _learning_rate(opt.applied_updates())),
         grad_steps=lambda updates: tf.gather(growth, tf.minimum(
             updates // FLAGS.updates_per, len(GROWTH) - 1)))
-    wrapper.append(opt)  # the learning rate reads it when minimize builds
     train_op = opt.minimize(loss, global_step=global_step)
     applies, updates = opt.applies_update(), opt.applied_updates()
     with tf.compat.v1.Session() as session:
