@@ -57,11 +57,6 @@ _OWNERS = ('deferred_grad', 'slot_owners')
 SHARED_ZEROS_MAX_BYTES = 1 << 20
 
 
-def _is_ref(variable):
-  """True for a reference variable (v1 behaviour): its own kernels."""
-  return variable.dtype != variable.dtype.base_dtype
-
-
 def run_time_zeros(shape, dtype=tf.float32, partition_info=None):
   """Zeros of `shape` that TensorFlow cannot fold into a constant.
 
@@ -97,7 +92,7 @@ def _add(variable, value, scale, handle):
 
 def _handle(variable, handle):
   """`handle`, else `variable`'s own (None for a ref variable)."""
-  if handle is None and not _is_ref(variable):
+  if handle is None and not compat.is_ref_variable(variable):
     return variable.handle
   return handle
 
@@ -298,7 +293,7 @@ def check_dense(variable):
   Returns:
     The op, to run before the accumulator is used.
   """
-  if _is_ref(variable):
+  if compat.is_ref_variable(variable):
     return tf.no_op()  # a ref variable's restore checks the shape itself
   shape = tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)
   static = variable.shape.as_list()
@@ -391,7 +386,7 @@ class RowListAccumulator(object):
                                self._dtype))
 
   def _gather(self, indices):
-    if _is_ref(self.slot):
+    if compat.is_ref_variable(self.slot):
       # A read made here, in this cond: not the variable's snapshot, which
       # may run before a rebuild in the same run and keep the old buffer.
       return tf.gather(self.slot.read_value(), indices)
@@ -402,7 +397,7 @@ class RowListAccumulator(object):
 
     Not a list: a dense accumulator that a restore put there (n is then
     meaningless)."""
-    if _is_ref(self.slot):  # see _gather
+    if compat.is_ref_variable(self.slot):  # see _gather
       shape = tf.shape(self.slot.read_value(), out_type=tf.int64)
     else:
       shape = compat.variable_shape(self.slot)
@@ -422,13 +417,13 @@ class RowListAccumulator(object):
         is_list, lambda: self._gather(tf.range(1, length + 1)), from_dense)
 
   def _assign(self, value):
-    if _is_ref(self.slot):
+    if compat.is_ref_variable(self.slot):
       return tf.compat.v1.assign(self.slot, value, validate_shape=False).op
     return self.slot.assign(value, read_value=False)
 
   def _scatter(self, indices, rows):
     """Writes `rows` at `indices`, in place; returns the op."""
-    if _is_ref(self.slot):
+    if compat.is_ref_variable(self.slot):
       return tf.compat.v1.scatter_update(self.slot, indices, rows).op
     return self.slot.scatter_update(tf.IndexedSlices(rows, indices)).op
 
@@ -889,7 +884,7 @@ def _list_of_rows(variable, columns, dtype, owner, device):
     owner.lists[key] = tf.compat.v1.Variable(
         lambda: empty_list(columns, dtype), dtype=dtype,
         name=variable.op.name + '/' + SLOT_OP_NAME, trainable=False,
-        validate_shape=False, use_resource=not _is_ref(variable))
+        validate_shape=False, use_resource=not compat.is_ref_variable(variable))
   return owner.lists[key], True
 
 

@@ -78,7 +78,7 @@ def _acquire_lock():
 
 def _count_on(step):
   """Adds one micro-step to a global step (atomically: workers share it)."""
-  if step.dtype != step.dtype.base_dtype:  # a ref variable
+  if compat.is_ref_variable(step):
     # Locked: workers sharing the step on a parameter server add at once.
     return tf.compat.v1.assign_add(step, 1, use_locking=True).op
   return step.assign_add(1, read_value=False)
@@ -321,6 +321,10 @@ class TrainOpState(object):
     with tf.control_dependencies([advanced]), tf.device('/device:CPU:0'):
       return tf.raw_ops.ConsumeMutexLock(mutex_lock=self.lock)
 
+  def _local_counts(self):
+    """This replica's components of the counts ([] without counts)."""
+    return compat.local_variables(list((self.counts or {}).values()))
+
   def add_counts(self, increments):
     """Adds a micro-step's increments to this replica's counts.
 
@@ -330,11 +334,8 @@ class TrainOpState(object):
     Returns:
       A list of ops (none where the micro-step is its cycle).
     """
-    if not self.counts:
-      return []
-    counts = compat.local_variables(list(self.counts.values()))
     return [v.assign_add(count, read_value=False)
-            for v, count in zip(counts, increments)]
+            for v, count in zip(self._local_counts(), increments)]
 
   def counts_of_cycle(self, increments):
     """This replica's counts of the cycle, this micro-step's included.
@@ -351,8 +352,7 @@ class TrainOpState(object):
     if self.counts is None:
       counts = list(increments)
     else:
-      counts = [v.read_value() for v in
-                compat.local_variables(list(self.counts.values()))]
+      counts = [v.read_value() for v in self._local_counts()]
     return tf.unstack(tf.stack(counts)) if counts else []
 
   def reset_counts(self):
@@ -361,10 +361,7 @@ class TrainOpState(object):
     Returns:
       A list of ops.
     """
-    if not self.counts:
-      return []
-    return [v.assign(0.0, read_value=False) for v in
-            compat.local_variables(list(self.counts.values()))]
+    return [v.assign(0.0, read_value=False) for v in self._local_counts()]
 
   def count_skipped(self, skipped):
     """Adds what a `nonfinite_policy` skipped to the totals.

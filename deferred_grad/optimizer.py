@@ -501,8 +501,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     Returns:
       The micro-step's op, which ends by counting it.
     """
-    parts = (distribution.experimental_local_results(part)
-             if distribution is not None else [part])
+    parts = _parts(distribution, part)
     state = parts[0].state
     if distribution is not None and parts[0].shared_rows:
       with tf.control_dependencies(micro_steps):  # the replicas' shared rows
@@ -532,8 +531,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     `restart`: a `distribute.MidCycleRestart`, or None.
     """
     policy = self._policy
-    parts = (distribution.experimental_local_results(part)
-             if distribution is not None else [part])
+    parts = _parts(distribution, part)
     state = parts[0].state
     length = state.position.length
     # Where workers follow one schedule, its length travels with the counts.
@@ -682,6 +680,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       variables.extend(own for own in state.variables()
                        if getattr(own, 'graph', None) is graph)
     return sorted(variables, key=lambda v: v.name)
+
+
+def _parts(distribution, part):
+  """Each replica's `ReplicaPart` (one without a strategy: the TPU path)."""
+  if distribution is None:
+    return [part]
+  return distribution.experimental_local_results(part)
 
 
 def _outermost_graph():
