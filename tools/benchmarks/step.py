@@ -49,7 +49,7 @@ their handles' lookup, about 80 us for 400, and the cycle's decision after
 the last add). The cycle's `If` took each variable's handle as an argument
 (the wrapped optimizer's ops captured them), about 0.25 us each per run
 taken or not, and the apply step ran an `_Arg` node for each; the branch
-now makes them itself (`kernels.handles_made_here`), and an `If` of 2
+now makes them itself (`compat.cond`'s own handles), and an `If` of 2
 arguments costs what no `If` costs (/tmp microbenchmark, 200 variables: a
 run 109 us without a cond, 108 us with it, 199 us with the handles taken
 as arguments). With Adam a cycle costs less than K bare Adam steps where
@@ -59,8 +59,8 @@ Counted instead of timed (executed nodes per run, traced, 200-variable SGD
 model): the accumulate-only micro-step runs 2,419 nodes against 2,409 for a
 bare step, the apply step 3,226 (3,625 with the branch taking the handles
 as arguments; 3,222 and 5,225 before the accumulators' handles and reads
-were batched, on the model's earlier graph: `deferred_grad/kernels.py`;
-pinned by tests/test_costs.py). In one process, three sessions of each, the cycle of
+were batched, on the model's earlier graph: `compat.handles` and
+`compat.read` now; tests/test_costs.py pins how the counts scale). In one process, three sessions of each, the cycle of
 the 200-variable model cost 1.059x-1.087x K=4 bare steps batched against
 1.103x-1.114x one handle per accumulator, and 1.052x against 1.073x at K=8.
 The levers: each dense gradient is added with one in-place kernel
