@@ -124,8 +124,7 @@ def _default_saveables(graph):
       tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
 
 
-def record_settings(grad_steps, weighted, policy, policies, place,
-                    state=()):
+def record_settings(grad_steps, weighted, policy, policies, place):
   """Records a train op's settings, which `Saver` saves and checks.
 
   A partial cycle's sums mean what the settings they were added under say:
@@ -141,7 +140,6 @@ def record_settings(grad_steps, weighted, policy, policies, place,
     policy: the `nonfinite_policy`, one of `policies`.
     policies: the policies, None first.
     place: an int64 scalar tensor, the micro-steps of the cycle so far.
-    state: the train op's variables, recorded as `add_to_state` does.
   """
   values = (grad_steps or 0, int(weighted), policies.index(policy))
   # In the train op's name scope: saved as `<scope>/deferred_grad_settings`.
@@ -149,7 +147,6 @@ def record_settings(grad_steps, weighted, policy, policies, place,
                     name='deferred_grad_settings')
   tensor.graph.add_to_collection(_SETTINGS,
                                  (tensor.op.name, tensor, values, policies))
-  add_to_state(state)
 
 
 def _describe(index, value, policies):

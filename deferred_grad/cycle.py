@@ -518,10 +518,8 @@ def _create(grad_steps, accumulates, policy, own_counter, global_step=None,
     state = TrainOpState(cycle, global_step, counts, skipped, counts_dtype)
     if local is None:  # see `checkpoints.Saver`
       checkpoints.record_settings(grad_steps if fixed else None, weighted,
-                                  nonfinite_policy, policies, cycle.place(),
-                                  made)
-      return state
-  if local is None and made:
+                                  nonfinite_policy, policies, cycle.place())
+  if local is None:
     checkpoints.add_to_state(made)
   return state
 
