@@ -17,13 +17,14 @@ One kind per kind of gradient sits behind it:
   variable (`<variable>/GradientAccumulator`), added to, read and zeroed in
   place, one kernel each, their handles batched (`compat.handles`);
   `ShardedAccumulator` adds through the XLA sharding rule (`sharding`).
-* `RowListAccumulator`: a table's (sparse gradients, `tf.IndexedSlices`):
-  the rows looked up, each beside its id, so that memory follows the rows a
-  cycle looks up, not the table (one process, MirroredStrategy, parameter-
-  server workers).
-* `TableSizedAccumulator`: a table's where shapes must be static or the
-  workers gather rows of one length (inside XLA, MultiWorkerMirroredStrategy):
-  a table-sized slot, added to row by row.
+  Also a table's where shapes must be static (inside XLA: its rows
+  scatter-added, the whole handed on, as the original did) or where it is
+  asked for (`sparse_as_dense`).
+* `RowListAccumulator`: a table's (sparse gradients, `tf.IndexedSlices`)
+  wherever shapes may change: the rows looked up, each beside its id, so
+  that memory follows the rows a cycle looks up, not the table (one
+  process, MirroredStrategy, parameter-server workers,
+  MultiWorkerMirroredStrategy).
 * `PassThrough`: with grad_steps=1 nothing accumulates; the apply step gets
   the micro-step's own gradients.
 
@@ -176,12 +177,20 @@ class DenseAccumulator(object):
     self._in_xla = in_xla
 
   def add(self, gradient, scale, handle):
-    """accumulator += scale * gradient (scale: 1/length, in its dtype)."""
+    """accumulator += scale * gradient (scale: 1/length, in its dtype).
+
+    A table's rows (an IndexedSlices) inside XLA are scatter-added: the cost
+    follows the rows looked up; elsewhere (sparse_as_dense) densified."""
+    dtype = self.local.dtype.base_dtype
+    if isinstance(gradient, tf.IndexedSlices) and self._in_xla:
+      return tf.raw_ops.ResourceScatterAdd(
+          resource=_handle(self.local, handle), indices=gradient.indices,
+          updates=tf.cast(gradient.values, dtype) * scale)
     checks = []  # a table's, densified (sparse_as_dense): see `check_dense`
-    if isinstance(gradient, tf.IndexedSlices) and not self._in_xla:
+    if isinstance(gradient, tf.IndexedSlices):
       checks = [check_dense(self.local)]
     with tf.control_dependencies(checks):
-      gradient = _dense(gradient, self.local.dtype.base_dtype)
+      gradient = _dense(gradient, dtype)
     return _add(self.local, gradient, scale, handle)
 
   def read(self):
@@ -208,14 +217,29 @@ class ShardedAccumulator(DenseAccumulator):
   def __init__(self, slot, local, in_xla, num_partitions):
     super(ShardedAccumulator, self).__init__(slot, local, in_xla)
     self._num_partitions = num_partitions
+    self._table = False
 
   def add(self, gradient, length, handle=None):
-    """accumulator = sharded(accumulator) + gradient / length."""
+    """accumulator = sharded(accumulator) + gradient / length (a table's
+    rows, an IndexedSlices: scatter-added)."""
     del handle
+    dtype = self.local.dtype.base_dtype
+    if isinstance(gradient, tf.IndexedSlices):
+      self._table = True
+      return self.local.scatter_add(tf.IndexedSlices(
+          _divided(tf.cast(gradient.values, dtype), length),
+          gradient.indices)).op
     current = sharding.shard(self.local.read_value(), self._num_partitions)
-    gradient = _dense(gradient, self.local.dtype.base_dtype)
-    return self.local.assign(current + _divided(gradient, length),
-                             read_value=False)
+    return self.local.assign(current + _divided(_dense(gradient, dtype),
+                                                length), read_value=False)
+
+  def read(self):
+    """The cycle's sum; a table's (added to by rows) with the sharding rule,
+    as its micro-steps do not read it."""
+    value = self.local.read_value()
+    if self._table:
+      return sharding.shard(value, self._num_partitions)
+    return value
 
 
 # ---------------------------------------------------------------- tables --
@@ -295,6 +319,8 @@ def check_dense(variable):
   """
   if compat.is_ref_variable(variable):
     return tf.no_op()  # a ref variable's restore checks the shape itself
+  if not variable.shape.is_fully_defined():
+    return tf.no_op()  # a table of unknown shape never had a list of rows
   shape = tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)
   static = variable.shape.as_list()
   name = variable.op.name.split('/replica_')[0]
@@ -308,9 +334,9 @@ def check_dense(variable):
         tf.equal(_recorded_length(row, dtype), 0)), [(
             '%s holds a list of the rows looked up, from a checkpoint written '
             'mid-cycle with sparse_as_dense=False; with sparse_as_dense=True '
-            '(and inside XLA, and under MultiWorkerMirroredStrategy) a table '
-            'is accumulated densely. Resume that checkpoint as it was '
-            'written, or from one written at a cycle\'s end.' % name)])
+            '(and inside XLA) a table is accumulated densely. Resume that '
+            'checkpoint as it was written, or from one written at a cycle\'s '
+            'end.' % name)])
     with tf.control_dependencies([empty]):
       # Not `assign`, which checks the shape the restore changed.
       return tf.raw_ops.AssignVariableOp(
@@ -323,6 +349,11 @@ def check_dense(variable):
 
 class RowListAccumulator(object):
   """A table's accumulator in memory proportional to the rows looked up.
+
+  The one accumulator of a table wherever shapes may change from run to
+  run: one process, a multi-replica strategy, parameter-server workers,
+  `MultiWorkerMirroredStrategy` (inside XLA and with `sparse_as_dense` a
+  table is accumulated densely, `DenseAccumulator`).
 
   The list `<table>/GradientAccumulator` is a variable of shape
   [1 + capacity, id columns + row width]. Row 0 is a header: the number n
@@ -347,26 +378,43 @@ class RowListAccumulator(object):
   packs its rows (`rows`), appended in replica order where they meet
   (`append`); the first replica hands the cycle's rows on, the others an
   empty `IndexedSlices`, and the wrapped optimizer's all-reduce adds them
-  up. A checkpoint holds the list as one process's would.
+  up. A checkpoint holds the list as one process's would. Across workers
+  each replica keeps its own list (a component of a mirrored variable): the
+  workers' all-reduce gathers slices that must keep one length from run to
+  run, so the apply step pads the list's rows to the most a cycle looks up
+  (`distribute.of_fixed_length`), and nothing else pads.
 
   Args:
-    slot: the list variable, of unknown static shape (`list_of_rows`).
+    slot: the list variable, of unknown static row count (`_list_of_rows`).
     variable: the table (or one partition of it).
     dtype: the accumulator's dtype.
-    replica: None with one replica; else this replica's index, among
-      replicas that share the list.
+    lists: the variables its micro-steps write, the first read: [slot]; or
+      this replica's component of a mirrored `slot` (its own, across
+      workers); or every component (a shared list, mirrored where public
+      APIs alone are used).
+    replica: None where the list is this replica's alone; else this
+      replica's index, among replicas that share the list.
+    cycle_rows: across workers, the most rows a cycle looks up where known
+      at graph build, else None (then padded to the table's rows); None in
+      one worker (no padding).
+    across_workers: whether the apply step pads its rows (see above).
   """
 
   in_place = False
 
-  def __init__(self, slot, variable, dtype, replica=None):
-    self.slot = self.local = slot
+  def __init__(self, slot, variable, dtype, lists=None, replica=None,
+               cycle_rows=None, across_workers=False):
+    self.slot = slot
+    self._lists = list(lists or [slot])
+    self.local = self._lists[0]
     self.shared = replica is not None
     self._first = not replica  # reads and resets the list
     self._dtype = dtype
     self._dense_shape = variable.shape
     self._id_columns = _id_columns(dtype)
     self._columns = list_columns(variable, dtype)
+    self._cycle_rows = cycle_rows
+    self._across_workers = across_workers
 
   def _pack(self, ids, rows):
     ids = tf.reshape(tf.bitcast(ids, self._dtype), [-1, self._id_columns])
@@ -385,47 +433,51 @@ class RowListAccumulator(object):
                       tf.zeros([1, self._columns - self._id_columns],
                                self._dtype))
 
-  def _gather(self, indices):
-    if compat.is_ref_variable(self.slot):
+  @staticmethod
+  def _gather(listed, indices):
+    if compat.is_ref_variable(listed):
       # A read made here, in this cond: not the variable's snapshot, which
       # may run before a rebuild in the same run and keep the old buffer.
-      return tf.gather(self.slot.read_value(), indices)
-    return self.slot.sparse_read(indices)
+      return tf.gather(listed.read_value(), indices)
+    return listed.sparse_read(indices)
 
-  def _state(self):
+  def _state(self, listed):
     """(is a list, its length n, its capacity): no read of the whole list.
 
     Not a list: a dense accumulator that a restore put there (n is then
     meaningless)."""
-    if compat.is_ref_variable(self.slot):  # see _gather
-      shape = tf.shape(self.slot.read_value(), out_type=tf.int64)
+    if compat.is_ref_variable(listed):  # see _gather
+      shape = tf.shape(listed.read_value(), out_type=tf.int64)
     else:
-      shape = compat.variable_shape(self.slot)
+      shape = compat.variable_shape(listed)
     is_list = tf.logical_and(tf.equal(tf.size(shape), 2),
                              tf.equal(shape[-1], self._columns))
-    length = _recorded_length(self._gather([0]), self._dtype)
+    length = _recorded_length(self._gather(listed, [0]), self._dtype)
     return is_list, length, shape[0] - 1
 
-  def _listed(self, is_list, length):
+  def _listed(self, listed, is_list, length):
     """The listed rows; a restored dense accumulator's non-zero rows."""
     def from_dense():
-      dense = tf.reshape(self.slot.read_value(),
+      dense = tf.reshape(listed.read_value(),
                          [-1, self._columns - self._id_columns])
       ids = nonzero_rows(dense)
       return self._pack(ids, tf.gather(dense, ids))
     return compat.cond(
-        is_list, lambda: self._gather(tf.range(1, length + 1)), from_dense)
+        is_list, lambda: self._gather(listed, tf.range(1, length + 1)),
+        from_dense)
 
-  def _assign(self, value):
-    if compat.is_ref_variable(self.slot):
-      return tf.compat.v1.assign(self.slot, value, validate_shape=False).op
-    return self.slot.assign(value, read_value=False)
+  @staticmethod
+  def _assign(listed, value):
+    if compat.is_ref_variable(listed):
+      return tf.compat.v1.assign(listed, value, validate_shape=False).op
+    return listed.assign(value, read_value=False)
 
-  def _scatter(self, indices, rows):
+  @staticmethod
+  def _scatter(listed, indices, rows):
     """Writes `rows` at `indices`, in place; returns the op."""
-    if compat.is_ref_variable(self.slot):
-      return tf.compat.v1.scatter_update(self.slot, indices, rows).op
-    return self.slot.scatter_update(tf.IndexedSlices(rows, indices)).op
+    if compat.is_ref_variable(listed):
+      return tf.compat.v1.scatter_update(listed, indices, rows).op
+    return listed.scatter_update(tf.IndexedSlices(rows, indices)).op
 
   def rows(self, gradient, length):
     """The rows looked up (/ `length`), each beside its id: a list's part."""
@@ -439,46 +491,64 @@ class RowListAccumulator(object):
     return self.append([self.rows(gradient, length)])
 
   def append(self, parts):
-    """Appends `parts` (from `rows`, in replica order) to the list."""
-    with tf.device(self.slot.device):
+    """Appends `parts` (from `rows`, in replica order) to the list.
+
+    Args:
+      parts: packed rows (`rows`), one per replica that shares the list.
+
+    Returns:
+      The op.
+    """
+    return tf.group(*[self._append(listed, parts) for listed in self._lists])
+
+  def _append(self, listed, parts):
+    with tf.device(listed.device):
       new = tf.concat(list(parts), 0)
       added = tf.shape(new, out_type=tf.int64)[0]
-      is_list, length, capacity = self._state()
+      is_list, length, capacity = self._state(listed)
       fits = tf.logical_and(is_list, tf.logical_and(
           length >= 0, length + added <= capacity))
 
       def write():
         return self._scatter(
+            listed,
             tf.concat([[0], tf.range(length + 1, length + added + 1)], 0),
             tf.concat([self._header(length + added), new], 0))
 
       def rebuild():
-        listed = self._listed(is_list, length)
+        rows = self._listed(listed, is_list, length)
         table_rows = self._dense_shape.as_list()[0]
-        listed = compat.cond(
-            tf.shape(listed, out_type=tf.int64)[0] <= table_rows,
-            lambda: listed, lambda: self._pack(*sum_by_id(
-                *self._unpack(listed))))
-        listed = tf.concat([listed, new], 0)
-        count = tf.shape(listed, out_type=tf.int64)[0]
+        rows = compat.cond(
+            tf.shape(rows, out_type=tf.int64)[0] <= table_rows,
+            lambda: rows, lambda: self._pack(*sum_by_id(*self._unpack(rows))))
+        rows = tf.concat([rows, new], 0)
+        count = tf.shape(rows, out_type=tf.int64)[0]
         room = tf.maximum(count, tf.minimum(2 * count, table_rows + added))
-        return self._assign(tf.concat([
-            self._header(count), listed,
+        return self._assign(listed, tf.concat([
+            self._header(count), rows,
             tf.zeros(tf.stack([room - count, self._columns]), self._dtype)],
-                                      0))
+                                              0))
 
       return compat.cond(fits, write, rebuild)
 
   def read(self):
     """The cycle's rows as IndexedSlices."""
+    dense_shape = tf.constant(self._dense_shape.as_list(), tf.int64)
     if self._first:  # as the large batch's: repeated ids and all
-      is_list, count, _ = self._state()
-      ids, rows = self._unpack(self._listed(is_list, count))
+      is_list, count, _ = self._state(self.local)
+      ids, rows = self._unpack(self._listed(self.local, is_list, count))
     else:  # the first replica hands on the shared list's rows
       ids, rows = self._unpack(tf.zeros([0, self._columns], self._dtype))
+    if self._across_workers:
+      size = self._cycle_rows
+      if size is None:  # at most a row per id of the table, once added up
+        ids, rows = sum_by_id(ids, rows)
+        size = self._dense_shape.as_list()[0]
+      gradient = distribute.of_fixed_length(
+          tf.IndexedSlices(rows, ids, dense_shape), size)
+      ids, rows = gradient.indices, gradient.values
     rows = tf.reshape(rows, [-1] + self._dense_shape[1:].as_list())
-    return tf.IndexedSlices(rows, ids,
-                            tf.constant(self._dense_shape.as_list(), tf.int64))
+    return tf.IndexedSlices(rows, ids, dense_shape)
 
   def reset(self, after, gradient, shared_zeros=None, handle=None):
     """Empties the list once `after` has run (keeping its room); the op."""
@@ -486,137 +556,15 @@ class RowListAccumulator(object):
     with tf.control_dependencies([after]):
       if not self._first:
         return tf.no_op()
-      is_list, _, _ = self._state()
-      return compat.cond(
-          is_list,
-          lambda: self._scatter([0], self._header(tf.constant(0, tf.int64))),
-          lambda: self._assign(empty_list(self._columns, self._dtype)))
+      return tf.group(*[self._reset(listed) for listed in self._lists])
 
-
-def _host_queue(variable, suffix, dtypes, shapes, host):
-  """An unbounded FIFO queue on `host`, named after `variable`."""
-  with tf.device(host):
-    return tf.queue.FIFOQueue(
-        2**31 - 1, dtypes, shapes=shapes,
-        name=variable.op.name.replace('/', '_') + suffix)
-
-
-class TableSizedAccumulator(object):
-  """A table's accumulator where shapes must be static: table-sized.
-
-  Inside an XLA computation (a TPU rewrite, `xla.compile`) only static
-  shapes compile, and the rows a cycle touches are not static; under
-  `MultiWorkerMirroredStrategy` the workers all-reduce a table's rows by
-  gathering slices that must keep one length from run to run. There the
-  accumulator is a table-sized slot, as the original's, that each
-  micro-step scatter-adds its rows into (duplicates add up, as in the
-  dense gradient): its cost follows the rows looked up. Inside XLA the
-  apply step hands on the whole accumulator, densely, as the original did.
-  Across workers a queue on the host records the ids each micro-step
-  looked up (with one marker per micro-step); the apply step takes them,
-  removes duplicates, and gathers, hands on and zeroes only those rows,
-  padded to as many as a cycle looks up (or the table holds) with zero rows
-  at an id some worker holds (`distribute.of_fixed_length`): also a row
-  whose sum is exactly zero is handed on. The queue is not in checkpoints:
-  a session that has not seen a whole cycle (restored mid-cycle) finds
-  fewer markers than the cycle's length and reads the whole accumulator
-  once (a row touched only before the restore and summing to exactly zero
-  is then left out).
-
-  Args:
-    slot: the accumulator variable.
-    local: this replica's component of it.
-    num_partitions: `xla_num_partitions`, for full reads.
-    in_xla: built inside an XLA computation (no queue; a dense hand-off).
-    cycle_rows: across workers, the most rows a cycle looks up where known
-      at graph build (else None: as many as the table holds).
-  """
-
-  in_place = False
-  shared = False
-
-  def __init__(self, slot, local, num_partitions=None, in_xla=False,
-               cycle_rows=None):
-    self.slot = slot
-    self.local = local
-    self._cycle_rows = cycle_rows
-    self._num_partitions = num_partitions
-    self._in_xla = in_xla
-    self._rows = None
-    # The record of row ids, and the work on it, stay on the host: queues
-    # have no GPU kernels. Only the gathers and scatters touch the device.
-    self._host = compat.host_device(local.device)
-    if not in_xla:
-      self._rows = _host_queue(local, '_touched_rows', [tf.int64], [[]],
-                               self._host)
-
-  def add(self, gradient, length):
-    """Scatter-adds the rows looked up (/ `length`), and records them."""
-    dtype = self.slot.dtype.base_dtype
-    # Inside XLA (no queue) no restore can have changed the shape.
-    checks = [] if self._rows is None else [check_dense(self.local)]
-    with tf.control_dependencies(checks):
-      added = self.local.scatter_add(tf.IndexedSlices(
-          _divided(tf.cast(gradient.values, dtype), length),
-          gradient.indices))
-    if self._rows is None:
-      return added
-    with tf.device(self._host):
-      recorded = self._rows.enqueue_many([ids_of(gradient)])
-    return tf.group(added, recorded)
-
-  def mark(self):
-    """Records one micro-step (added or skipped): run it on every one."""
-    if self._rows is None:
-      return tf.no_op()
-    with tf.device(self._host):
-      return self._rows.enqueue(tf.constant(-1, tf.int64))
-
-  def read(self, length):
-    """The accumulated gradient: IndexedSlices over the touched rows.
-
-    (Inside XLA: the dense accumulator.)
-    """
-    if self._rows is None:
-      return sharding.shard(self.local.read_value(), self._num_partitions)
-    with tf.device(self._host):
-      recorded = self._rows.dequeue_many(self._rows.size())
-      is_row = recorded >= 0
-      rows, _ = tf.unique(tf.boolean_mask(recorded, is_row))
-      complete = tf.greater_equal(
-          tf.reduce_sum(tf.cast(tf.logical_not(is_row), tf.int64)),
-          tf.cast(length, tf.int64))
-
-    def from_record():
-      return tf.gather(self.local, rows), rows
-
-    def from_scan():
-      # Also the rows this session recorded: only a row touched before the
-      # restore alone and summing to exactly zero is left out, once.
-      value = sharding.shard(self.local.read_value(), self._num_partitions)
-      scanned, _ = tf.unique(tf.concat([nonzero_rows(value), rows], 0))
-      return tf.gather(value, scanned), scanned
-
-    values, rows = compat.cond(complete, from_record, from_scan)
-    gradient = tf.IndexedSlices(values, rows,
-                                dense_shape=compat.variable_shape(self.local))
-    # The workers' all-reduces gather slices of one length only: as many as
-    # a cycle looks up, or the table holds, whichever is fewer.
-    size = tf.cast(gradient.dense_shape[0], tf.int64)
-    if self._cycle_rows is not None:
-      size = tf.minimum(size, self._cycle_rows)
-    return distribute.of_fixed_length(gradient, size)
-
-  def reset(self, after, gradient, shared_zeros, handle=None):
-    """Zeroes the rows `gradient` (what `read` gave) holds, after `after`."""
-    del handle
-    with tf.control_dependencies([after]):
-      if not isinstance(gradient, tf.IndexedSlices):  # inside XLA
-        return _zero(self.local, shared_zeros, None, True)
-      dtype = self.slot.dtype.base_dtype
-      return self.local.scatter_update(
-          tf.IndexedSlices(tf.zeros_like(gradient.values, dtype),
-                           gradient.indices))
+  def _reset(self, listed):
+    is_list, _, _ = self._state(listed)
+    return compat.cond(
+        is_list,
+        lambda: self._scatter(listed, [0],
+                              self._header(tf.constant(0, tf.int64))),
+        lambda: self._assign(listed, empty_list(self._columns, self._dtype)))
 
 
 # ------------------------------------------------------ one train op's --
@@ -650,8 +598,7 @@ class Accumulators(object):
     Args:
       gradients: the micro-step's (weighed) gradients, in order.
       length: the cycle's length (an int, or an int64 scalar).
-      finite: None, or a boolean scalar: False adds nothing (a skipped
-        micro-batch is still marked where a table keeps a record).
+      finite: None, or a boolean scalar: False adds nothing.
 
     Returns:
       (the op, {index: rows} of the lists the replicas share, which it left
@@ -677,10 +624,7 @@ class Accumulators(object):
 
     added = add_all() if finite is None else compat.cond(finite, add_all,
                                                          tf.no_op)
-    marks = [a.mark() for a in self._accumulators
-             if isinstance(a, TableSizedAccumulator)]
-    return (tf.group(added, *marks) if marks else added,
-            self._shared_rows(gradients, length, finite))
+    return added, self._shared_rows(gradients, length, finite)
 
   def _shared_rows(self, gradients, length, finite):
     """{index: rows} for the lists the replicas share: none where `finite`
@@ -709,11 +653,8 @@ class Accumulators(object):
         [rows[index] for rows in rows_of_replicas])
             for index in sorted(rows_of_replicas[0])]
 
-  def read(self, length):
+  def read(self):
     """Reads the cycle's sums, for the apply step.
-
-    Args:
-      length: the cycle's length (an int, or an int64 scalar).
 
     Returns:
       A `Read`: the sums in the order of the variables (tensors, or
@@ -729,8 +670,6 @@ class Accumulators(object):
     for index, accumulator in enumerate(self._accumulators):
       if index in values:
         gradients.append(values[index])
-      elif isinstance(accumulator, TableSizedAccumulator):
-        gradients.append(accumulator.read(length))
       else:
         gradients.append(accumulator.read())
     return Read(gradients, handles, [a.shared for a in self._accumulators])
@@ -790,16 +729,12 @@ class PassThrough(object):
     """Nothing is shared. Returns: []."""
     return []
 
-  def read(self, length):
+  def read(self):
     """The micro-step's gradients as a `Read` (densified unless `sparse`).
-
-    Args:
-      length: unused (1).
 
     Returns:
       A `Read`.
     """
-    del length
     gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
                  and not self._sparse else g for g in self._gradients]
     return Read(gradients, {}, [False] * len(gradients))
@@ -858,7 +793,7 @@ def _create_slot(opt, variable, dtype, owner):
   return slot
 
 
-def _list_of_rows(variable, columns, dtype, owner, device):
+def _list_of_rows(variable, columns, dtype, owner, how):
   """`variable`'s list of rows for the train op `owner` (made once).
 
   Not a slot of the wrapped optimizer: a slot of a partition inherits its
@@ -868,23 +803,38 @@ def _list_of_rows(variable, columns, dtype, owner, device):
   for a partition; a second train op's `..._1`), whichever replica or
   wrapper asks first making it, with the dtype asked for.
 
+  Args:
+    variable: the table (or one partition of it).
+    columns: the list's columns (`list_columns`).
+    dtype: its dtype.
+    owner: the train op's record (`cycle.TrainOpState`).
+    how: 'own' (one replica: beside the table); 'one' (one plain variable
+      that the replicas share, on the table's host, by a private creator:
+      `compat.one_variable_creator`); 'mirrored' (the strategy's variable,
+      a component per replica).
+
   Returns:
-    (the variable, of no static shape, whether this call made it).
+    (the variable, of no static row count, whether this call made it).
   """
   key = id(variable)
   if key in owner.lists:
     return owner.lists[key], False
   with contextlib.ExitStack() as stack:
     stack.enter_context(tf.compat.v1.name_scope(None))
-    if device is None:
+    if how == 'own':
       stack.enter_context(tf.compat.v1.colocate_with(variable))
-    else:  # one plain variable for the replicas, not one each
+    elif how == 'one':
       stack.enter_context(tf.compat.v1.variable_creator_scope(
-          compat.one_variable_creator(device)))
+          compat.one_variable_creator(compat.host_device(variable.device))))
+    if how == 'mirrored':
+      # A static initial value: across workers the chief broadcasts it.
+      initial = lambda: tf.zeros([1, columns], dtype)
+    else:
+      initial = lambda: empty_list(columns, dtype)
     owner.lists[key] = tf.compat.v1.Variable(
-        lambda: empty_list(columns, dtype), dtype=dtype,
-        name=variable.op.name + '/' + SLOT_OP_NAME, trainable=False,
-        validate_shape=False, use_resource=not compat.is_ref_variable(variable))
+        initial, dtype=dtype, name=variable.op.name + '/' + SLOT_OP_NAME,
+        trainable=False, validate_shape=False, shape=tf.TensorShape(None),
+        use_resource=not compat.is_ref_variable(variable))
   return owner.lists[key], True
 
 
@@ -915,9 +865,9 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
 
   Call it under `tf.init_scope()`. Under a multi-replica strategy each
   replica calls it: each replica adds into its own component of each dense
-  accumulator (saved as their sum, `distribute.summed_on_save`), and the
-  replicas share a table's list of rows (where only public APIs are used, a
-  table gets a table-sized accumulator there instead).
+  accumulator (saved as their sum, `distribute.summed_on_save`); in one
+  process the replicas share a table's list of rows, across workers each
+  keeps its own.
 
   Args:
     opt: the wrapped optimizer, which owns the slots.
@@ -926,40 +876,54 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
     sparse: accumulate an IndexedSlices gradient row by row (else densely).
     dtype: `accumulator_dtype`, or None.
     num_partitions: `xla_num_partitions`, or None.
-    in_xla: built inside an XLA computation.
+    in_xla: built inside an XLA computation (a table: densely).
     local: None, or a `distribute.WorkerLocal` (variables on parameter
       servers): the accumulators are then the worker's own, not slots.
-    multi_worker: under a multi-worker strategy (tables: table-sized).
+    multi_worker: under a multi-worker strategy.
 
   Returns:
     An `Accumulators`.
 
   Raises:
     ValueError: an `accumulator_dtype` narrower than a variable's, or
-      another dtype for a variable of unknown shape.
+      another dtype for a variable of unknown shape; a sparse gradient of a
+      variable whose rows cannot be listed (a static shape unknown, or a
+      dtype wider than 8 bytes) outside XLA with `sparse_as_dense=False`.
   """
   strategy = tf.distribute.get_strategy()
   replica = None  # this replica's index, where there are several
   if strategy.num_replicas_in_sync > 1:
     replica = int(tf.get_static_value(
         tf.distribute.get_replica_context().replica_id_in_sync_group))
-  # Replicas share a table's list: one variable, which only a private
-  # creator makes (`compat.one_variable_creator`, None if unavailable).
-  listed = not (in_xla or multi_worker or (
-      replica is not None and compat.one_variable_creator('') is None))
+  # How a table's list is kept: see `_list_of_rows`.
+  if replica is None or local is not None:
+    how = 'own'
+  elif multi_worker or compat.one_variable_creator('') is None:
+    how = 'mirrored'
+  else:
+    how = 'one'
   specs = []
   for gradient, variable in grads_and_vars:
     own_dtype = dtype or variable.dtype.base_dtype
-    table = sparse and isinstance(gradient, tf.IndexedSlices)
+    table = sparse and isinstance(gradient, tf.IndexedSlices) and not in_xla
     columns = list_columns(variable, own_dtype) if table else None
-    if columns is not None and (listed or local is not None):
-      kind = 'list'
-    else:
-      kind = 'table_sized' if table else 'dense'
-    specs.append((kind, gradient, variable, own_dtype, columns))
+    if table and columns is None:
+      raise ValueError(
+          'A sparse gradient (tf.IndexedSlices) of %s, of shape %s and '
+          'accumulator dtype %s: a table\'s accumulator lists the rows looked '
+          'up, which needs a static shape and a dtype of at most 8 bytes. '
+          'Give the variable a static shape, or sparse_as_dense=True.' % (
+              variable.name, variable.shape, own_dtype.name))
+    specs.append(('list' if table else 'dense', gradient, variable, own_dtype,
+                  columns))
   with (distribute.summed_on_save(strategy, multi_worker) if replica is not None
         else contextlib.nullcontext()):
-    made = [_variable(opt, owner, local, replica, *spec) for spec in specs]
+    made = [_variable(opt, owner, local, how, *spec) if spec[0] == 'dense'
+            else None for spec in specs]
+  # Lists are not sums over replicas (a mirrored one's components are
+  # alike, or each replica's own across workers): made outside that scope.
+  made = [made_one or _variable(opt, owner, local, how, *spec)
+          for made_one, spec in zip(made, specs)]
   slots = [slot for slot, _ in made]
   checkpoints.add_to_state([slot for slot, new in made
                             if new and local is None])
@@ -977,13 +941,18 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
   accumulators = []
   for slot, local_slot, (kind, gradient, variable, own_dtype, _) in zip(
       slots, compat.local_variables(slots), specs):
-    if kind == 'list':
+    if kind == 'list' and how == 'mirrored' and multi_worker:
       accumulators.append(RowListAccumulator(
-          slot, variable, own_dtype, replica if local is None else None))
-    elif kind == 'table_sized':
-      accumulators.append(TableSizedAccumulator(
-          slot, local_slot, num_partitions, in_xla,
-          None if in_xla else _cycle_rows(gradient, owner)))
+          slot, variable, own_dtype, [local_slot],
+          cycle_rows=_cycle_rows(gradient, owner), across_workers=True))
+    elif kind == 'list' and how == 'mirrored':  # every component alike
+      accumulators.append(RowListAccumulator(
+          slot, variable, own_dtype,
+          strategy.experimental_local_results(slot), replica))
+    elif kind == 'list':
+      accumulators.append(RowListAccumulator(
+          slot, variable, own_dtype,
+          replica=replica if how == 'one' else None))
     elif num_partitions is None:
       accumulators.append(DenseAccumulator(slot, local_slot, in_xla))
     else:
@@ -992,7 +961,7 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
   return Accumulators(accumulators)
 
 
-def _variable(opt, owner, local, replica, kind, gradient, variable, dtype,
+def _variable(opt, owner, local, how, kind, gradient, variable, dtype,
               columns):
   """(the accumulator's variable, whether this call made it)."""
   del gradient
@@ -1005,7 +974,5 @@ def _variable(opt, owner, local, replica, kind, gradient, variable, dtype,
     return local.variable(name, lambda: run_time_zeros(shape, dtype),
                           dtype), True
   if kind == 'list':
-    # Several replicas share one list, where the first one's table is.
-    device = None if replica is None else compat.host_device(variable.device)
-    return _list_of_rows(variable, columns, dtype, owner, device)
+    return _list_of_rows(variable, columns, dtype, owner, how)
   return _create_slot(opt, variable, dtype, owner), True

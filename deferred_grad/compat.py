@@ -104,7 +104,7 @@ def import_xla_sharding():
 def host_device(device):
   """The CPU of the task that `device` names (a string; '' for no device).
 
-  For what has no GPU kernel (mutexes, queues of row ids, bookkeeping), so
+  For what has no GPU kernel (mutexes, a list of rows shared by replicas, bookkeeping), so
   that it also places where soft placement is off.
   """
   spec = tf.DeviceSpec.from_string(device or '')

@@ -583,7 +583,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
     `factor` (`_factor`) turns the sum of the cycle's `length` micro-steps
     into the cycle's gradient."""
-    read = part.accumulators.read(length)
+    read = part.accumulators.read()
     done = tf.no_op()
     if apply:
       gradients = read.gradients

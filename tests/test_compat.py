@@ -4,7 +4,8 @@ Every private TensorFlow name the package uses sits in compat.py behind a
 function with a public-API fallback, which DEFERRED_GRAD_PUBLIC_API_ONLY=1
 selects: each test here trains with the fallbacks and without them, and
 gets the same numbers, and checks that the fallback ran (no batched handles,
-a lowered cond, a table-sized accumulator where replicas shared a list).
+a lowered cond, a mirrored list of a table's rows where replicas shared one
+plain variable).
 """
 
 import numpy as np
@@ -14,6 +15,7 @@ import tensorflow as tf
 import deferred_grad
 from deferred_grad import compat
 import models
+import test_sparse
 import training
 
 GRAD_STEPS = 3
@@ -55,7 +57,8 @@ def test_one_process_trains_alike(optimizer, use_tpu, public_only):
 
 def test_mirrored_strategy_trains_alike(public_only):
   """A replica's own component of a slot (`local_variables`); a table's
-  list the replicas share (a private creator), else table-sized."""
+  list the replicas share: one variable (a private creator), else a
+  mirrored one whose components every micro-step writes alike."""
   make_optimizer = models.OPTIMIZERS['Momentum']
   data = models.make_embedding_data(
       models.CYCLES, training.REPLICAS * GRAD_STEPS * models.MICRO_BATCH)
@@ -68,8 +71,18 @@ def test_mirrored_strategy_trains_alike(public_only):
   training.assert_same_training(actual, expected)
   accumulator = trainer.optimizer.get_slot(trainer.variables['table'],
                                            'grad_accum')
-  # A list has no static shape; a table-sized accumulator the table's.
-  assert accumulator.shape.is_fully_defined() == public_only
+  # A list of rows, of no static shape, either way.
+  assert accumulator.shape.rank is None
+  components = trainer.strategy.experimental_local_results(accumulator)
+  assert len(components) == (training.REPLICAS if public_only else 1)
+
+
+def test_a_mirrored_list_resumes_mid_cycle(public_only, tmp_path):
+  """The mirrored list (the fallback) saves as one process's list, and a
+  restore writes it to every component alike: a job stopped mid-cycle
+  resumes exactly, as with the shared plain variable."""
+  test_sparse.test_resume_mid_cycle_matches_the_large_batch('mirrored',
+                                                            tmp_path)
 
 
 def test_the_other_fallbacks(public_only):

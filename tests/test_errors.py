@@ -187,6 +187,38 @@ def test_accumulator_dtype_needs_a_known_shape():
       optimizer.minimize(tf.reduce_sum(v))
 
 
+def test_a_table_of_unknown_shape_is_accumulated_densely_or_not_at_all():
+  """A sparse gradient of a variable of unknown shape cannot be listed by
+  rows (a list's columns are its row's): a ValueError at graph build names
+  it and sparse_as_dense=True, with which it trains as the large batch."""
+  start = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)
+  ids = [0, 2, 0]
+
+  def loss(v):
+    return tf.reduce_sum(tf.square(tf.gather(v, ids)))
+
+  with tf.Graph().as_default():
+    v = models.unknown_shape_variable(start)
+    optimizer = GradientAggregationOptimizer(_sgd(), 2)
+    with pytest.raises(ValueError, match=r"of v:0, of shape <unknown>.*"
+                       r"Give the variable a static shape, or "
+                       r"sparse_as_dense=True"):
+      optimizer.minimize(loss(v))
+  with tf.Graph().as_default():
+    v = models.unknown_shape_variable(start)
+    train_op = GradientAggregationOptimizer(
+        _sgd(), 2, sparse_as_dense=True).minimize(loss(v))
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for _ in range(2):
+        session.run(train_op)
+      actual = session.run(v)
+  gradient = np.zeros_like(start)
+  for i in ids:
+    gradient[i] += 2 * start[i]
+  np.testing.assert_allclose(actual, start - 0.1 * gradient, rtol=1e-6)
+
+
 @pytest.mark.parametrize('kwargs, error, message', [
     ({'aggregation': 'average'}, ValueError, 'aggregation must be one of'),
     ({'micro_batch_weight': 3}, TypeError, 'micro_batch_weight must be None'),

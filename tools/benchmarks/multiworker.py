@@ -9,6 +9,12 @@ Results (two processes on a 2-core machine over loopback gRPC, ms per
 effective batch): K=1 bare 358, wrapper 386 (1.08; K = 1 passes through);
 K=4 1622 and 809 (0.50); K=16 5917 and 1509 (0.26). The saving grows with K
 while communication dominates; between machines it is larger still.
+
+Then a table (--multiworker_table_rows x 64 float32, 256 ids a micro-step,
+SGD, K = 4): each worker's peak RSS with the wrapper (and --baseline's)
+against the bare optimizer's, and their difference as a share of one table
+(target 10%: a table's accumulator is a list of the rows looked up on every
+worker).
 """
 
 import json
@@ -19,14 +25,36 @@ import time
 from benchmarks import cluster
 from benchmarks import common
 
+import peak_memory  # tools/peak_memory.py
+
+FLAGS = common.FLAGS
+common.flags.DEFINE_integer(
+    'multiworker_table_rows', 1000000,
+    'Multiworker suite: rows of the table whose per-worker RSS is measured '
+    '(0: none).')
+common.flags.DEFINE_list(
+    'multiworker_grad_steps', ['1', '4', '16'],
+    'Multiworker suite: the K of the MLP rows (empty: none).')
+
 WIDTHS = [1024, 4096, 4096]  # 21M parameters: 84 MB all-reduced
 MICRO_BATCH = 32
+TABLE_GRAD_STEPS, IDS_PER_STEP, DIM = 4, 256, 64
+
+
+def _table_loss(tf, rows, seed):
+  """An embedding table's loss on 256 ids drawn in the graph."""
+  table = tf.compat.v1.get_variable(
+      'table', [rows, DIM], initializer=tf.compat.v1.zeros_initializer())
+  ids = tf.random.uniform([IDS_PER_STEP], 0, rows, tf.int64, seed=seed)
+  return tf.reduce_sum(tf.square(tf.nn.embedding_lookup(table, ids) - 1.0))
 
 
 def child(spec):
-  """One worker, 'variant,grad_steps,batches': prints the time per batch."""
-  variant, grad_steps, batches = spec.split(',')
+  """One worker, 'variant,grad_steps,batches[,table rows]': prints the time
+  per batch and the worker's RSS."""
+  variant, grad_steps, batches = spec.split(',')[:3]
   grad_steps, batches = int(grad_steps), int(batches)
+  rows = int(spec.split(',')[3]) if spec.count(',') == 3 else 0
   tf = common.import_tf()
   import deferred_grad  # pylint: disable=g-import-not-at-top
   strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
@@ -39,11 +67,16 @@ def child(spec):
     global_step = tf.compat.v1.train.get_or_create_global_step()
 
     def replica_step():
-      loss, _ = common.mlp_loss(tf, MICRO_BATCH, WIDTHS,
-                                seed=resolver.task_id)
+      if rows:
+        loss = _table_loss(tf, rows, resolver.task_id + 1)
+      else:
+        loss, _ = common.mlp_loss(tf, MICRO_BATCH, WIDTHS,
+                                  seed=resolver.task_id)
       opt = tf.compat.v1.train.GradientDescentOptimizer(0.01)
-      if variant == 'wrapper':
-        opt = deferred_grad.GradientAggregationOptimizer(opt, grad_steps)
+      if variant != 'bare':  # 'wrapper', or 'baseline' (--baseline's)
+        module = common.deferred_grad_modules()[
+            'baseline' if variant == 'baseline' else '']
+        opt = module.GradientAggregationOptimizer(opt, grad_steps)
       return opt.minimize(loss / strategy.num_replicas_in_sync,
                           global_step=global_step)
 
@@ -61,11 +94,13 @@ def child(spec):
         session.run(train_op, options=options)
       if batch:
         times.append(time.perf_counter() - start)
-  print(json.dumps({'seconds_per_effective_batch': common.median(times)}))
+  print(json.dumps({'seconds_per_effective_batch': common.median(times),
+                    'peak_rss_mb': peak_memory.peak_rss_mb(),
+                    'rss_mb': peak_memory.current_rss_mb()}))
 
 
 def _run_workers(spec):
-  """Both workers of one configuration; the slower one's seconds per batch."""
+  """Both workers of one configuration: each one's JSON line."""
   addresses = {'worker': ['127.0.0.1:%d' % p for p in cluster.free_ports(2)]}
   processes = [
       subprocess.Popen(
@@ -81,18 +116,22 @@ def _run_workers(spec):
     for p in processes:
       if p.poll() is None:
         p.kill()
-  return max(json.loads(o.strip().splitlines()[-1])
-             ['seconds_per_effective_batch'] for o in outputs)
+  return [json.loads(o.strip().splitlines()[-1]) for o in outputs]
+
+
+def _seconds(spec):
+  """The slower worker's seconds per effective batch."""
+  return max(w['seconds_per_effective_batch'] for w in _run_workers(spec))
 
 
 def run():
   results = []
   rows = []
-  for grad_steps in [1, 4, 16]:
+  for grad_steps in [int(k) for k in FLAGS.multiworker_grad_steps]:
     measured = {}
     for variant in ['bare', 'wrapper']:
       spec = '%s,%d,%d' % (variant, grad_steps, max(3, 48 // grad_steps))
-      measured[variant] = _run_workers(spec) * 1e3
+      measured[variant] = _seconds(spec) * 1e3
     result = {'grad_steps': grad_steps, 'bare_ms': measured['bare'],
               'wrapper_ms': measured['wrapper'],
               'ratio': measured['wrapper'] / measured['bare']}
@@ -103,4 +142,26 @@ def run():
   table = common.markdown(
       ['K', 'bare: K steps, K all-reduces (ms)',
        'wrapper: K micro-steps, 1 all-reduce (ms)', 'ratio'], rows)
+  table_rows = FLAGS.multiworker_table_rows
+  if table_rows:
+    workers = {}
+    variants = ['bare', 'wrapper'] + (['baseline'] if FLAGS.baseline else [])
+    for variant in variants:
+      workers[variant] = _run_workers('%s,%d,%d,%d' % (
+          variant, TABLE_GRAD_STEPS, 8, table_rows))
+    table_mb = table_rows * DIM * 4 / 2.0**20
+    lines = []
+    for index in range(2):
+      bare = workers['bare'][index]['peak_rss_mb']
+      for variant in variants[1:]:
+        peak = workers[variant][index]['peak_rss_mb']
+        lines.append(['%d' % index, variant, '{:,}'.format(table_rows),
+                      '%.0f' % table_mb, '%.0f / %.0f' % (peak, bare),
+                      '%+.0f (%.1f%% of the table)' % (
+                          peak - bare, 100 * (peak - bare) / table_mb)])
+    results.append({'table_rows': table_rows, 'workers': workers})
+    print('multiworker table: %s' % workers, flush=True)
+    table += '\n\n' + common.markdown(
+        ['worker', 'variant', 'table rows x 64', 'table (MB)',
+         'peak RSS, variant / bare (MB)', 'variant - bare (MB)'], lines)
   return {'multiworker': results}, table

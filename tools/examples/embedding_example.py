@@ -32,15 +32,16 @@ momentum (tested for each, every slot compared).
   checkpoint of one process restores under MirroredStrategy, and back, also
   mid-cycle. On parameter-server workers the list is a local variable of
   the worker (see parameter_server_example.py). Under
-  MultiWorkerMirroredStrategy each replica's accumulator is still a
-  table-sized variable; a queue on the host records its rows, so that the
-  apply step touches those only.
+  MultiWorkerMirroredStrategy each replica keeps a list of its own rows;
+  the apply step pads them to the most rows a cycle looks up (the workers'
+  all-reduce gathers slices of one length) with zero rows at an id some
+  worker holds.
 - `sparse_as_dense=True` restores the original's behaviour: sparse gradients
   densified into the accumulator every micro-step and handed on dense. With
   `apply_crs_to_grad=True` sparse gradients are always handled densely (a
   cross-replica sum needs the same shape on every core); inside XLA the
   table's accumulator is scatter-added but handed on densely (only static
-  shapes compile, and XLA cannot compile a queue).
+  shapes compile).
 - `clip_norm` clips the norm of the accumulated gradient with repeated ids
   summed, as in the dense gradient (`tf.clip_by_global_norm` on an
   IndexedSlices counts a repeated id's rows separately).
