@@ -165,7 +165,8 @@ def _build(strategy, policy=None, grad_steps=GRAD_STEPS, model='mlp',
 
 
 def _monitored_resume(strategy, server, config, task, x_data, y_data,
-                      checkpoint_dir, stop, grad_steps=GRAD_STEPS):
+                      checkpoint_dir, stop, grad_steps=GRAD_STEPS,
+                      model='mlp'):
   """Two MonitoredTrainingSessions on one checkpoint_dir; returns weights.
 
   The first stops at step `stop` (StopAtStepHook); only worker 0 saves
@@ -181,7 +182,7 @@ def _monitored_resume(strategy, server, config, task, x_data, y_data,
         time.sleep(0.2)
     with tf.Graph().as_default(), strategy.scope():
       global_step, x, y, variables, train_op, _ = _build(
-          strategy, grad_steps=grad_steps)
+          strategy, grad_steps=grad_steps, model=model)
       barrier = deferred_grad.collective_barrier(strategy)
       options = deferred_grad.collective_run_options()
       # Worker 0 saves (every cycle); the others only restore.
@@ -220,6 +221,7 @@ def main(output, mode, delay):
   # on the same servers); every repeat must end with the same weights.
   repeats = (1 if mode in ('uneven', 'estimator', 'monitored_resume_mid',
                            'monitored_resume_mid_schedule',
+                           'monitored_resume_mid_embedding',
                            'schedule_disagree') else REPEATS)
   first = None
   for repeat in range(repeats):
@@ -238,7 +240,7 @@ def main(output, mode, delay):
 
 def _train(strategy, server, config, task, mode, checkpoint_dir):
   """Trains once in `mode`; returns (final weights, collectives per step)."""
-  model = 'embedding' if mode.startswith('embedding') else 'mlp'
+  model = 'embedding' if 'embedding' in mode else 'mlp'
   grad_steps = {
       'schedule': schedule,
       'schedule_disagree': lambda _: tf.constant(2 + task, tf.int64),
@@ -322,7 +324,7 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
     if mode.endswith('_schedule'):  # the same cycles, counted by a schedule
       grad_steps = lambda _: tf.constant(GRAD_STEPS, tf.int64)
     weights = _monitored_resume(strategy, server, config, task, x_data, y_data,
-                                checkpoint_dir, stop, grad_steps)
+                                checkpoint_dir, stop, grad_steps, model)
   return weights, collectives
 
 

@@ -291,17 +291,23 @@ def test_workers_with_different_schedules_fail_instead_of_training(tmp_path):
 
 
 @pytest.mark.parametrize('mode', ['monitored_resume_mid',
-                                  'monitored_resume_mid_schedule'])
+                                  'monitored_resume_mid_schedule',
+                                  'monitored_resume_mid_embedding'])
 def test_resume_mid_cycle_drops_that_cycle_on_every_worker(tmp_path, mode):
   """A checkpoint written mid-cycle holds only the saving worker's part.
 
   Restored one micro-step into the second cycle, both workers warn, drop
   that cycle (the micro-batch before the restart and those after it) and
   train on: the weights are the large batch's of cycles 1 and 3. The same
-  with grad_steps a schedule (its counters restored mid-cycle).
+  with grad_steps a schedule (its counters restored mid-cycle), and with a
+  table (each replica's list of rows restored as the chief's, then emptied;
+  micro-batches of a size known at run time only: the apply step pads to
+  the table's rows).
   """
-  x, y = make_data(models.CYCLES, WORKERS * GRAD_STEPS * models.MICRO_BATCH)
-  trainer = training.Trainer(models.OPTIMIZERS['Momentum'])
+  model = 'embedding' if mode.endswith('embedding') else 'mlp'
+  x, y = models.MODELS[model][0](models.CYCLES,
+                                 WORKERS * GRAD_STEPS * models.MICRO_BATCH)
+  trainer = training.Trainer(models.OPTIMIZERS['Momentum'], model=model)
   with trainer.session() as session:
     for cycle in (0, 2):
       trainer.micro_step(session, x[cycle], y[cycle])

@@ -10,7 +10,9 @@ optimizer), interleaved rounds of one cycle each:
             If, deciding nothing): what any in-graph cycle pays per run;
   least_list  whole cycles of the least an in-graph list of rows can do
             (`_least_list`: a scatter at the counter's place, no checks);
-  wrapper   whole cycles through the wrapper, per micro-step.
+  wrapper   whole cycles through the wrapper, per micro-step;
+  baseline  the same through --baseline's wrapper (another commit), in a
+            graph and table of its own (tables up to 1M rows).
 
 Memory, and the wrapper's accumulate-only and apply steps apart, each
 (table, variant) in a fresh process, one after another in one run, so that
@@ -20,39 +22,41 @@ same gradient (tables up to 1M rows: at 10M it allocates a 2.5 GB dense
 gradient per micro-step).
 
 Results (TensorFlow 2.21, 2 cores, K = 8, 30 rounds; ms; RSS after training
-= peak), with a table's accumulator a list of the rows looked up, with room
-(2026-12-02; `tools/benchmark --suites=sparse`, and
+= peak), a table's accumulator a list of the rows looked up, with room
+(2026-12-03; `tools/benchmark --suites=sparse`, and
 `--sparse_optimizer=adagrad`):
 
-  SGD          side by side: cycle / bare   gate   least list  apply  RSS wrapper/bare MB
-  10,000       0.412 / 0.283 = 1.46x        1.04x  1.26x       1.045  524 / 511
-  1,000,000    0.618 / 0.423 = 1.46x        0.95x  1.22x       1.545  1039 / 1011
-  10,000,000   0.482 / 0.324 = 1.49x        1.13x  1.28x       1.362  5658 / 5645
+  SGD          side by side: cycle / bare   gate   least list  cycle/least  RSS wrapper/bare MB
+  10,000       0.334 / 0.196 = 1.70x        1.00x  1.22x       1.39x        523 / 510
+  1,000,000    0.338 / 0.193 = 1.75x        1.00x  1.26x       1.39x        1038 / 1010
+  10,000,000   0.341 / 0.194 = 1.76x        1.01x  1.26x       1.40x        5657 / 5645
 
   Adagrad
-  10,000       0.446 / 0.391 = 1.14x        1.08x  0.96x       2.124  528 / 517
-  1,000,000    0.410 / 0.355 = 1.16x        1.02x  0.94x       2.276  1528 / 1515
-  10,000,000   0.676 / 0.593 = 1.14x        0.97x  0.86x       2.110  10797 / 10784
+  10,000       0.349 / 0.247 = 1.41x        1.04x  1.05x       1.35x        528 / 516
+  1,000,000    0.359 / 0.252 = 1.42x        1.00x  1.05x       1.36x        1527 / 1515
+  10,000,000   0.365 / 0.268 = 1.36x        0.97x  0.98x       1.40x        10796 / 10784
 
-  (The day before, without the least list in the rounds: SGD 1.39x-1.51x,
-  Adagrad 1.05x-1.12x.)
+  (On 2026-12-02, on the same VM type: SGD 1.46x-1.49x against a least list
+  of 1.22x-1.28x, Adagrad 1.14x-1.16x against 0.86x-0.96x. Today 1cd1d54
+  and 96b4f1b, the commits before the list's last change, measure 1.79x and
+  1.80x at 10k rows, as this tree.)
 
 Memory: the wrapper's RSS after training is the bare optimizer's plus
 12-28 MB at every size (at most 0.5% of a 10M-row table; the list holds at
 most K x 256 rows and its room; before the lists it was one more
 table-sized variable: 10,815 MB against 5,670).
 
-Time: target 1.1x. SGD: 1.46x-1.49x, not met, and not within reach of any
-list of rows kept in the graph: the least one (`_least_list`, a scatter at
-the counter's place and nothing else) costs 1.22x-1.28x itself. SGD's own
-step is a gather and a scatter of 256 rows, no more than the bookkeeping
-of keeping them. Adagrad: 1.14x-1.16x; its least list 0.86x-0.96x (the
-bare step dedupes and updates its 256 ids each step, a cycle's apply once
-for all 2048), so the wrapper's safety costs about 0.2 of an Adagrad step:
-the check of the list's layout (a restored dense accumulator), its room (a
-micro-batch of another size) and the header (skipped micro-batches,
-checkpoints mid-cycle), and one If. This VM's timings vary by 5-10%
-between runs of this suite.
+Time: target 1.1x the least list, not met: 1.35x-1.40x. What a micro-step
+pays beyond it, traced (RunMetadata, 10k rows, SGD): the run's lock
+(MutexLock always hands over to a thread pool: about 50 us; without it the
+cycle is 1.25x-1.30x the least list), the If that writes the rows or
+rebuilds a list that lacks room or is a restored dense accumulator (about
+45 us as a function call; lowered to Switch/Merge, or with its inputs built
+outside it, it measured the same), and the header's read. The lock is what
+lets threads of one session run the train op (see cycle.py); the If and the
+header are what make a restored checkpoint, a micro-batch of another size
+and a skipped micro-batch safe. This VM's timings vary by 5-10% between
+runs of this suite.
 """
 
 import json
@@ -106,8 +110,10 @@ def _train_op(tf, variant, model, optimizer, grad_steps):
                           tf.no_op)
   if variant == 'least_list':
     return _least_list(tf, model, optimizer, grad_steps)
-  if variant == 'wrapper':
-    return deferred_grad.GradientAggregationOptimizer(
+  if variant in ('wrapper', 'baseline'):  # --baseline's deferred_grad
+    module = (common.deferred_grad_modules()['baseline']
+              if variant == 'baseline' else deferred_grad)
+    return module.GradientAggregationOptimizer(
         optimizer, grad_steps=grad_steps).minimize(loss,
                                                    global_step=global_step)
   # The original module's dense accumulation of IndexedSlices (no apply).
@@ -157,8 +163,9 @@ def _least_list(tf, model, optimizer, grad_steps):
 
 
 def _side_by_side(tf, rows, grad_steps):
-  """{variant: ms per micro-step} of 'bare', 'gate' and 'wrapper', timed in
-  interleaved rounds of one cycle each. One graph and table, and one
+  """{variant: ms per micro-step} of 'bare', 'gate', 'least_list' and
+  'wrapper' (and 'baseline', --baseline's wrapper, in a graph of its own,
+  up to 1M rows), timed in interleaved rounds of one cycle each. One graph and table, and one
   optimizer (its slots) for all three: two tables of 10M rows with
   Adagrad's slots do not fit in 24 GB. Each round's `grad_steps` calls
   move `global_step` by whole cycles, so the wrapper's cycles stay whole."""
@@ -177,6 +184,17 @@ def _side_by_side(tf, rows, grad_steps):
   steps = {variant: (lambda op=op: session.run(
       op, {model[1]: feeds[next(calls) % len(feeds)]}))
            for variant, op in ops.items()}
+  if FLAGS.baseline_dir and rows <= ORIGINAL_MAX_ROWS:
+    # Another commit's wrapper, in a graph and table of its own (two
+    # wrappers cannot both count one global_step): up to 1M rows.
+    with tf.Graph().as_default() as other:
+      other_model = _model(tf, rows)
+      other_op = _train_op(tf, 'baseline', other_model, _optimizer(tf),
+                           grad_steps)
+      other_session = tf.compat.v1.Session(graph=other)
+      other_session.run(tf.compat.v1.global_variables_initializer())
+    steps['baseline'] = lambda: other_session.run(
+        other_op, {other_model[1]: feeds[next(calls) % len(feeds)]})
   seconds = common.time_interleaved(steps, rounds=FLAGS.sparse_cycles,
                                     steps=grad_steps)
   return {variant: s * 1e3 for variant, s in seconds.items()}
@@ -224,6 +242,8 @@ def child(spec):
 
 
 def run():
+  if FLAGS.baseline:
+    common.deferred_grad_modules()  # unpacks it, for the children
   rows_list = [int(r) for r in FLAGS.table_rows]
   results = []
   for rows in rows_list:
@@ -260,6 +280,9 @@ def run():
                                  side_by_side['bare']),
         '%.2fx' % (side_by_side['gate'] / side_by_side['bare']),
         '%.2fx' % (side_by_side['least_list'] / side_by_side['bare']),
+        '%.2fx' % (side_by_side['wrapper'] / side_by_side['least_list']),
+        ('%.3f' % (side_by_side['wrapper'] / side_by_side['baseline'])
+         if 'baseline' in side_by_side else 'not run'),
         '%.3f' % original['accumulate_ms'] if original else 'not run',
         '%.0f / %.0f' % (wrapper['rss_mb'], bare['rss_mb']),
         '%.0f / %.0f' % (wrapper['peak_rss_mb'], bare['peak_rss_mb']),
@@ -272,6 +295,8 @@ def run():
        'side by side: cycle per micro-step / bare step (ms)',
        'bare step + a cycle\'s decision / bare step',
        'least in-graph list / bare step',
+       'cycle per micro-step / least in-graph list\'s',
+       'cycle per micro-step, this tree / --baseline\'s',
        'original\'s dense accumulate (ms)',
        'RSS after training, wrapper / bare (MB)',
        'peak RSS, wrapper / bare (MB)'], rows_out)
