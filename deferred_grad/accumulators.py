@@ -210,22 +210,23 @@ class ShardedAccumulator(DenseAccumulator):
   Args:
     slot, local, in_xla: as `DenseAccumulator`'s.
     num_partitions: `xla_num_partitions`.
+    rows: a table's inside XLA: its rows are scatter-added (the micro-steps
+      read nothing) and the apply step's read carries the rule.
   """
 
   in_place = False
 
-  def __init__(self, slot, local, in_xla, num_partitions):
+  def __init__(self, slot, local, in_xla, num_partitions, rows=False):
     super(ShardedAccumulator, self).__init__(slot, local, in_xla)
     self._num_partitions = num_partitions
-    self._table = False
+    self._rows = rows
 
   def add(self, gradient, length, handle=None):
     """accumulator = sharded(accumulator) + gradient / length (a table's
-    rows, an IndexedSlices: scatter-added)."""
+    rows: scatter-added)."""
     del handle
     dtype = self.local.dtype.base_dtype
-    if isinstance(gradient, tf.IndexedSlices):
-      self._table = True
+    if self._rows:
       return self.local.scatter_add(tf.IndexedSlices(
           _divided(tf.cast(gradient.values, dtype), length),
           gradient.indices)).op
@@ -237,7 +238,7 @@ class ShardedAccumulator(DenseAccumulator):
     """The cycle's sum; a table's (added to by rows) with the sharding rule,
     as its micro-steps do not read it."""
     value = self.local.read_value()
-    if self._table:
+    if self._rows:
       return sharding.shard(value, self._num_partitions)
     return value
 
@@ -918,12 +919,12 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
                   columns))
   with (distribute.summed_on_save(strategy, multi_worker) if replica is not None
         else contextlib.nullcontext()):
-    made = [_variable(opt, owner, local, how, *spec) if spec[0] == 'dense'
-            else None for spec in specs]
+    dense = {i: _variable(opt, owner, local, how, *spec)
+             for i, spec in enumerate(specs) if spec[0] == 'dense'}
   # Lists are not sums over replicas (a mirrored one's components are
   # alike, or each replica's own across workers): made outside that scope.
-  made = [made_one or _variable(opt, owner, local, how, *spec)
-          for made_one, spec in zip(made, specs)]
+  made = [dense[i] if i in dense else _variable(opt, owner, local, how, *spec)
+          for i, spec in enumerate(specs)]
   slots = [slot for slot, _ in made]
   checkpoints.add_to_state([slot for slot, new in made
                             if new and local is None])
@@ -956,8 +957,9 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
     elif num_partitions is None:
       accumulators.append(DenseAccumulator(slot, local_slot, in_xla))
     else:
-      accumulators.append(ShardedAccumulator(slot, local_slot, in_xla,
-                                             num_partitions))
+      accumulators.append(ShardedAccumulator(
+          slot, local_slot, in_xla, num_partitions,
+          rows=in_xla and isinstance(gradient, tf.IndexedSlices)))
   return Accumulators(accumulators)
 
 

@@ -12,9 +12,9 @@ while communication dominates; between machines it is larger still.
 
 Then a table (--multiworker_table_rows x 64 float32, 256 ids a micro-step,
 SGD, K = 4): each worker's median peak RSS over runs with the wrapper (and
---baseline's) against the bare optimizer's, and their difference as a share of one table
-(target 10%: a table's accumulator is a list of the rows looked up on every
-worker).
+--baseline's) against the bare optimizer's, and their difference as a share
+of one table (target 10%: a table's accumulator is a list of the rows looked
+up on every worker).
 
 Results (2026-12-03, TensorFlow 2.21, 2 cores; `tools/benchmark
 --suites=multiworker --multiworker_grad_steps= --multiworker_table_rows=4000000
@@ -37,6 +37,8 @@ import time
 
 from benchmarks import cluster
 from benchmarks import common
+from benchmarks.sparse import DIM  # the sparse suite's table and lookups
+from benchmarks.sparse import IDS_PER_STEP
 
 import peak_memory  # tools/peak_memory.py
 
@@ -56,7 +58,7 @@ common.flags.DEFINE_list(
 
 WIDTHS = [1024, 4096, 4096]  # 21M parameters: 84 MB all-reduced
 MICRO_BATCH = 32
-TABLE_GRAD_STEPS, IDS_PER_STEP, DIM = 4, 256, 64
+TABLE_GRAD_STEPS = 4
 
 
 def _table_loss(tf, rows, seed):
