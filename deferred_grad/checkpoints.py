@@ -32,6 +32,7 @@ The records live in graph collections under tuple keys, as TensorFlow's
 variable store does: they are not serialized into meta graphs.
 """
 
+import inspect
 import re
 
 from deferred_grad import compat
@@ -304,13 +305,46 @@ def register_default_saver(graph):
   MonitoredTrainingSession (its Scaffold) and Estimator save with the
   saver in `tf.compat.v1.GraphKeys.SAVERS`, and make a plain one where the
   collection is empty. This one is made as they would make theirs (sharded,
-  relative paths, built when the session is made, the 5 newest kept).
+  relative paths, built when the session is made), with the
+  `keep_checkpoint_max` and `keep_checkpoint_every_n_hours` of the
+  Estimator that builds the graph, if one does (else the 5 newest kept).
+
+  Args:
+    graph: the `tf.Graph` of the train op.
   """
-  if not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
-    graph.add_to_collection(
-        tf.compat.v1.GraphKeys.SAVERS,
-        Saver(sharded=True, allow_empty=True, defer_build=True,
-              save_relative_paths=True))
+  if graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
+    return
+  config = _estimator_config()
+  kept = {} if config is None else dict(
+      max_to_keep=config.keep_checkpoint_max,
+      keep_checkpoint_every_n_hours=config.keep_checkpoint_every_n_hours)
+  graph.add_to_collection(
+      tf.compat.v1.GraphKeys.SAVERS,
+      Saver(sharded=True, allow_empty=True, defer_build=True,
+            save_relative_paths=True, **kept))
+
+
+def _estimator_config():
+  """The `RunConfig` of the Estimator whose `train` is building this train
+  op, or None.
+
+  A model_fn (a canned one too) is not handed an Estimator's saver
+  settings, and the Estimator makes its own saver from them only where the
+  graph has none: its public `config` is read where it is, on the call
+  stack.
+  """
+  frame = inspect.currentframe()
+  try:
+    while frame is not None:
+      owner = frame.f_locals.get('self')
+      if any(kind.__name__ == 'Estimator' and
+             kind.__module__.startswith('tensorflow_estimator')
+             for kind in type(owner).__mro__):
+        return owner.config
+      frame = frame.f_back
+    return None
+  finally:
+    del frame  # no reference cycle through the frames
 
 
 class _Restore(object):

@@ -196,12 +196,10 @@ def local_variables(variables):
   context = tf.distribute.get_replica_context()
   replica = 0 if context is None else int(
       tf.get_static_value(context.replica_id_in_sync_group) or 0)
-  local = []
-  for variable in variables:
-    components = strategy.experimental_local_results(variable)
-    local.append(components[replica] if len(components) > 1 else
-                 components[0])
-  return local
+  # A worker's components are its own replicas': across workers the id in
+  # the sync group is worker * replicas per worker + the local index.
+  return [components[replica % len(components)] for components in
+          (strategy.experimental_local_results(v) for v in variables)]
 
 
 def _attrs(**values):

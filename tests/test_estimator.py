@@ -154,6 +154,28 @@ def test_estimator_mirrored_strategy_matches_large_batch(tmp_path):
   training.assert_same_training([_weights(estimator)], [expected])
 
 
+def _checkpoints_on_disk(model_dir):
+  names = tf.io.gfile.listdir(model_dir)
+  return sorted(n[:-len('.index')] for n in names if n.endswith('.index'))
+
+
+@pytest.mark.parametrize('keep', [1, 7])
+def test_run_config_decides_the_checkpoints_kept(tmp_path, keep):
+  """The wrapper's default saver keeps the checkpoints RunConfig asks for,
+  as the Estimator's own saver does without the wrapper (5 by default)."""
+  steps = CYCLES * GRAD_STEPS
+  examples = _examples(steps, models.MICRO_BATCH)
+  kept = {}
+  for grad_steps in (None, GRAD_STEPS):
+    model_dir = str(tmp_path / ('wrapped' if grad_steps else 'bare'))
+    estimator = _estimator(model_dir, grad_steps, save_checkpoints_steps=1,
+                           keep_checkpoint_max=keep)
+    estimator.train(_input_fn(examples, models.MICRO_BATCH), max_steps=steps)
+    kept[grad_steps] = _checkpoints_on_disk(model_dir)
+  assert len(kept[None]) == keep
+  assert kept[GRAD_STEPS] == kept[None]
+
+
 def test_resume_mid_cycle_equals_uninterrupted(tmp_path, use_tpu):
   total = CYCLES * GRAD_STEPS
   stop = GRAD_STEPS + 1  # one micro-step into the second cycle

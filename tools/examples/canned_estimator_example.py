@@ -18,8 +18,8 @@ Pass the wrapper as the optimizer, an instance or a callable; both of
   (`<table>/part_<n>/GradientAccumulator`), and a job stopped mid-cycle
   resumes exactly. The wrapper makes `deferred_grad.Saver` the Estimator's
   saver, so a model_dir trained without accumulation resumes with it (and
-  back); `RunConfig(keep_checkpoint_max=...)` then has no effect: it keeps
-  the 5 newest checkpoints, as the Estimator's default.
+  back), keeping the checkpoints `RunConfig(keep_checkpoint_max=...)` asks
+  for, as the Estimator's own saver would.
 
 It trains the model twice on the same examples: (a) the bare optimizers on
 batches of grad_steps * micro_batch, (b) the wrappers on micro-batches, in

@@ -53,8 +53,8 @@ first cycle would be short (the sum of fewer micro-batches, divided by
 grad_steps), so the Saver raises a ValueError saying so; give grad_steps as
 a tensor (`tf.constant(k)`), whose counters start afresh, to turn
 accumulation on at any step. The default saver keeps the 5 newest
-checkpoints, as MonitoredTrainingSession's and Estimator's do
-(`RunConfig(keep_checkpoint_max)` has no effect without a Scaffold saver).
+checkpoints, as MonitoredTrainingSession's does (under an Estimator, what
+its `RunConfig(keep_checkpoint_max)` asks for).
 
 Resuming with other settings (the README's "Checkpoints" has the table):
 aggregation, sparse_as_dense and the TPU-to-GPU path may change at any
