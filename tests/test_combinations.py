@@ -1,0 +1,147 @@
+"""Keywords in combination, drawn at random, against the large batch.
+
+Each case draws one wrapper configuration (model, optimizer, `grad_steps`
+as an int or a schedule of a constant length: a tensor under
+MirroredStrategy, a callable everywhere; both code paths, MirroredStrategy with the
+wrapper built once or inside the replica function, `sparse_as_dense`,
+`nonfinite_policy`, `accumulator_dtype`, `clip_norm`, `aggregation`,
+`micro_batch_weight`, `xla_num_partitions`, partitioned tables, with or
+without a `global_step`) from a seed of its own, trains it on micro-batches
+and compares every variable after each cycle with the bare optimizer
+trained on the large batches. What the keywords change is put into the
+reference's gradients, independently of the wrapper: 'sum' applies
+`grad_steps` (times the weight) times the mean, `clip_norm` clips the
+(densified) large-batch gradient to that global norm, and `sparse_as_dense`
+hands the bare optimizer a dense gradient. The data are finite and the
+weights equal, so a `nonfinite_policy` and a weighted mean change nothing.
+
+DEFERRED_GRAD_COMBINATIONS=N draws N cases (default 24); the seeds are the
+case numbers, so a failure reruns as `-k 'case_<n>'`.
+"""
+
+import os
+import random
+
+import pytest
+import tensorflow as tf
+
+import models
+import training
+
+CASES = int(os.environ.get('DEFERRED_GRAD_COMBINATIONS', '24'))
+WEIGHT = 2.0
+
+
+def _draw(case):
+  """The configuration of case `case` (a dict), from its own seed."""
+  rng = random.Random(case)
+  model = rng.choice(['mlp', 'embedding', 'embedding'])
+  mirrored = rng.random() < 0.35
+  # ProximalAdagrad fails under MirroredStrategy without the wrapper too.
+  names = sorted(set(models.OPTIMIZERS) -
+                 ({'ProximalAdagrad', 'AdagradDA'} if mirrored else set()))
+  config = dict(
+      model=model, mirrored=mirrored, optimizer=rng.choice(names),
+      grad_steps=rng.choice([1, 2, 3, 4]),
+      kind=rng.choice(['int', 'int', 'tensor', 'callable']),
+      weighted=rng.random() < 0.3,
+      use_global_step=rng.random() < 0.8,
+      partitions=(rng.choice([None, 2, 3])
+                  if model == 'embedding' and not mirrored else None),
+      per_replica=mirrored and rng.random() < 0.5,
+      wrapper=dict(
+          use_tpu=not mirrored and rng.random() < 0.4,
+          sparse_as_dense=rng.random() < 0.3,
+          nonfinite_policy=rng.choice(
+              [None, 'skip_micro_batch', 'skip_cycle']),
+          accumulator_dtype=rng.choice([None, tf.float32, tf.float64]),
+          clip_norm=rng.choice([None, 1e6, 0.01]),
+          aggregation=rng.choice(['mean', 'mean', 'sum'])))
+  if rng.random() < 0.2:
+    config['wrapper']['xla_num_partitions'] = 2
+  if config['optimizer'] == 'AdagradDA':
+    # Reads the step it is given: `applied_updates` of an int cycle.
+    config.update(kind='int', use_global_step=True)
+  return config
+
+
+def _reference_optimizer(config):
+  """The bare optimizer's factory, its gradients changed as the keywords
+  change what the wrapper applies (see the module docstring)."""
+  make_optimizer = models.OPTIMIZERS[config['optimizer']]
+  wrapper = config['wrapper']
+  factor = 1.0
+  if wrapper['aggregation'] == 'sum':
+    factor = config['grad_steps'] * (WEIGHT if config['weighted'] else 1.0)
+  densify = wrapper['sparse_as_dense'] and config['model'] == 'embedding'
+  clip_norm = wrapper['clip_norm']
+
+  def scaled(gradient, scale):
+    if isinstance(gradient, tf.IndexedSlices):
+      return tf.IndexedSlices(gradient.values * scale, gradient.indices,
+                              gradient.dense_shape)
+    return gradient * scale
+
+  def transform(pairs):
+    pairs = [(tf.convert_to_tensor(g) if densify else g, v)
+             for g, v in pairs]
+    pairs = [(scaled(g, factor), v) for g, v in pairs]
+    if clip_norm is not None:
+      norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(
+          tf.convert_to_tensor(g))) for g, _ in pairs]))
+      scale = clip_norm / tf.maximum(norm, clip_norm)
+      pairs = [(scaled(g, scale), v) for g, v in pairs]
+    return pairs
+
+  if factor == 1.0 and not densify and clip_norm is None:
+    return make_optimizer
+  return models.with_gradient_transform(make_optimizer, transform)
+
+
+def _grad_steps(config):
+  """`grad_steps` of the drawn kind in one process: an int, or a callable
+  (a 'tensor' too: `Trainer` makes its graph itself)."""
+  steps = config['grad_steps']
+  if config['kind'] == 'int':
+    return steps
+  return lambda updates: tf.constant(steps, tf.int64)
+
+
+@pytest.mark.parametrize('case', range(CASES),
+                         ids=['case_%d' % i for i in range(CASES)])
+def test_a_drawn_combination_trains_like_the_large_batch(case):
+  config = _draw(case)
+  steps = config['grad_steps']
+  replicas = training.REPLICAS if config['mirrored'] else 1
+  make_data = models.MODELS[config['model']][0]
+  data = make_data(models.CYCLES, models.MICRO_BATCH * steps * replicas,
+                   seed=case)
+  model_kwargs = ({'partitions': config['partitions']}
+                  if config['partitions'] else None)
+  expected, _, _ = training.train(_reference_optimizer(config), data,
+                                  model=config['model'],
+                                  model_kwargs=model_kwargs)
+  make_optimizer = models.OPTIMIZERS[config['optimizer']]
+  weight_fn = ((lambda *inputs: tf.constant(WEIGHT))
+               if config['weighted'] else None)
+  if config['mirrored']:
+    trainer = training.MirroredTrainer(
+        make_optimizer, steps, use_global_step=config['use_global_step'],
+        model=config['model'], weight_fn=weight_fn,
+        wrapper_per_replica=config['per_replica'],
+        schedule=None if config['kind'] == 'int' else config['kind'],
+        **config['wrapper'])
+  else:
+    trainer = training.Trainer(
+        make_optimizer, _grad_steps(config),
+        use_global_step=config['use_global_step'],
+        step_tensor='auto' if config['kind'] == 'int' else None,
+        model=config['model'], model_kwargs=model_kwargs,
+        weight_fn=weight_fn, **config['wrapper'])
+    trainer.micro_steps = steps
+  with trainer.session() as session:
+    actual = trainer.run(session, data)
+  try:
+    training.assert_same_training(actual, expected, rtol=2e-5, atol=2e-6)
+  except AssertionError as error:
+    raise AssertionError('%s\nconfiguration: %r' % (error, config))
