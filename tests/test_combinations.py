@@ -15,8 +15,12 @@ reference's gradients, independently of the wrapper: 'sum' applies
 hands the bare optimizer a dense gradient. The data are finite and the
 weights equal, so a `nonfinite_policy` and a weighted mean change nothing.
 
+Half as many of the draws are stopped after a drawn micro-step, saved with
+`deferred_grad.Saver`, restored into a new graph and continued: they end with
+the uninterrupted run's weights.
+
 DEFERRED_GRAD_COMBINATIONS=N draws N cases (default 24); the seeds are the
-case numbers, so a failure reruns as `-k 'case_<n>'`.
+case numbers, so a failure reruns alone (`-k case_<n>`).
 """
 
 import os
@@ -25,10 +29,12 @@ import random
 import pytest
 import tensorflow as tf
 
+import deferred_grad
 import models
 import training
 
 CASES = int(os.environ.get('DEFERRED_GRAD_COMBINATIONS', '24'))
+RESUMED = (CASES + 1) // 2  # cases stopped, saved and resumed
 WEIGHT = 2.0
 
 
@@ -107,20 +113,10 @@ def _grad_steps(config):
   return lambda updates: tf.constant(steps, tf.int64)
 
 
-@pytest.mark.parametrize('case', range(CASES),
-                         ids=['case_%d' % i for i in range(CASES)])
-def test_a_drawn_combination_trains_like_the_large_batch(case):
-  config = _draw(case)
+def _trainer(config):
+  """The wrapper's `Trainer` (or `MirroredTrainer`) of `config`, with a
+  `deferred_grad.Saver` (`saver`) built after its train op."""
   steps = config['grad_steps']
-  replicas = training.REPLICAS if config['mirrored'] else 1
-  make_data = models.MODELS[config['model']][0]
-  data = make_data(models.CYCLES, models.MICRO_BATCH * steps * replicas,
-                   seed=case)
-  model_kwargs = ({'partitions': config['partitions']}
-                  if config['partitions'] else None)
-  expected, _, _ = training.train(_reference_optimizer(config), data,
-                                  model=config['model'],
-                                  model_kwargs=model_kwargs)
   make_optimizer = models.OPTIMIZERS[config['optimizer']]
   weight_fn = ((lambda *inputs: tf.constant(WEIGHT))
                if config['weighted'] else None)
@@ -136,12 +132,85 @@ def test_a_drawn_combination_trains_like_the_large_batch(case):
         make_optimizer, _grad_steps(config),
         use_global_step=config['use_global_step'],
         step_tensor='auto' if config['kind'] == 'int' else None,
-        model=config['model'], model_kwargs=model_kwargs,
+        model=config['model'], model_kwargs=_model_kwargs(config),
         weight_fn=weight_fn, **config['wrapper'])
     trainer.micro_steps = steps
+  with trainer.graph.as_default():
+    trainer.saver = deferred_grad.Saver()
+  return trainer
+
+
+def _model_kwargs(config):
+  return ({'partitions': config['partitions']} if config['partitions']
+          else None)
+
+
+def _data(config, case):
+  replicas = training.REPLICAS if config['mirrored'] else 1
+  make_data = models.MODELS[config['model']][0]
+  return make_data(models.CYCLES,
+                   models.MICRO_BATCH * config['grad_steps'] * replicas,
+                   seed=case)
+
+
+@pytest.mark.parametrize('case', range(CASES),
+                         ids=['case_%d' % i for i in range(CASES)])
+def test_a_drawn_combination_trains_like_the_large_batch(case):
+  config = _draw(case)
+  data = _data(config, case)
+  expected, _, _ = training.train(_reference_optimizer(config), data,
+                                  model=config['model'],
+                                  model_kwargs=_model_kwargs(config))
+  trainer = _trainer(config)
   with trainer.session() as session:
     actual = trainer.run(session, data)
   try:
     training.assert_same_training(actual, expected, rtol=2e-5, atol=2e-6)
   except AssertionError as error:
     raise AssertionError('%s\nconfiguration: %r' % (error, config))
+
+
+def _micro_batches(trainer, data):
+  """The micro-batches of every cycle of `data`, in order."""
+  micro_batches = []
+  for batch in zip(*data):
+    size = len(batch[0]) // trainer.micro_steps
+    micro_batches.extend([part[k * size:(k + 1) * size] for part in batch]
+                         for k in range(trainer.micro_steps))
+  return micro_batches
+
+
+@pytest.mark.parametrize('case', range(RESUMED),
+                         ids=['case_%d' % i for i in range(RESUMED)])
+def test_a_drawn_combination_resumes_where_it_stopped(case, tmp_path):
+  """Stopped after a drawn micro-step (mid-cycle or not), saved with
+  `deferred_grad.Saver` and restored into a new graph, it ends with the
+  uninterrupted run's weights."""
+  config = _draw(case)
+  if config['grad_steps'] == 1:
+    config['grad_steps'] = 2  # a cycle to stop in
+  data = _data(config, case)
+  trainer = _trainer(config)
+  micro_batches = _micro_batches(trainer, data)
+  with trainer.session() as session:
+    for batch in micro_batches:
+      trainer.micro_step(session, *batch)
+    expected = session.run(trainer.variables)
+  stop = random.Random(case).randrange(1, len(micro_batches))
+  trainer = _trainer(config)
+  with trainer.session() as session:
+    for batch in micro_batches[:stop]:
+      trainer.micro_step(session, *batch)
+    path = trainer.saver.save(session, str(tmp_path / 'stopped'))
+  trainer = _trainer(config)
+  with tf.compat.v1.Session(graph=trainer.graph) as session:
+    trainer.saver.restore(session, path)
+    for batch in micro_batches[stop:]:
+      trainer.micro_step(session, *batch)
+    actual = session.run(trainer.variables)
+  try:
+    training.assert_same_training([actual], [expected], rtol=1e-6,
+                                  atol=1e-7)
+  except AssertionError as error:
+    raise AssertionError('%s\nstopped after micro-step %d; configuration: '
+                         '%r' % (error, stop, config))
