@@ -384,6 +384,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         variable's; a `micro_batch_weight` not a scalar, or a constant one
         negative or not finite; a schedule's constant below 1.
     """
+    # The graph's train ops before this one (see `_listed_as_train_op`).
+    train_ops = list(tf.compat.v1.get_collection(
+        tf.compat.v1.GraphKeys.TRAIN_OP))
     # 1. Checks; the train op's record and accumulators, made once.
     # grad_steps=1: each micro-step is a cycle, applying its own gradients.
     accumulates = not (isinstance(self._grad_steps, int) and
@@ -473,10 +476,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       # original's: merge_call outside tf.cond) in the cross-replica context.
       if self._use_tpu:
         checkpoints.create_wrapped_slots(self._opt, var_list, scopes, self)
-        return self._end_micro_step(None, [micro_step], part, multi_worker)
-    return replica_context.merge_call(
+        return _listed_as_train_op(self._end_micro_step(
+            None, [micro_step], part, multi_worker), train_ops)
+    return _listed_as_train_op(replica_context.merge_call(
         self._end_micro_step_across_replicas,
-        args=(micro_step, part, scopes, scope, multi_worker))
+        args=(micro_step, part, scopes, scope, multi_worker)), train_ops)
 
   def _end_micro_step_across_replicas(self, distribution, micro_step, part,
                                       scopes, scope, multi_worker):
@@ -775,6 +779,27 @@ def _should_apply(policy, totals):
   if not decisions:
     return None
   return decisions[0] if len(decisions) == 1 else tf.logical_and(*decisions)
+
+
+def _listed_as_train_op(train_op, before):
+  """Makes the graph's TRAIN_OP collection `before` and `train_op`.
+
+  A bare optimizer's `apply_gradients` adds the op it returns to
+  `tf.compat.v1.GraphKeys.TRAIN_OP` (scripts fetch it from there, also from
+  an imported meta graph). The wrapped optimizer's op is made inside this
+  train op's cond, where it cannot be fetched: the collection gets the
+  micro-step's op in its place.
+
+  Args:
+    train_op: the op `apply_gradients` returns.
+    before: the collection before `apply_gradients` built anything.
+
+  Returns:
+    `train_op`.
+  """
+  listed = tf.compat.v1.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
+  listed[:] = before + [train_op] * all(op is not train_op for op in before)
+  return train_op
 
 
 def _factor(policy, totals, replicas, length):

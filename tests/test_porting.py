@@ -208,3 +208,55 @@ def test_nonfinite_policy_at_grad_steps_one(policy, use_tpu):
       np.testing.assert_array_equal(session.run(w), [-4, -1])
       assert session.run([optimizer.skipped_micro_batches,
                           optimizer.skipped_cycles, global_step]) == [1, 1, 3]
+
+
+@pytest.mark.parametrize('grad_steps', [1, 3])
+def test_a_script_fetching_the_train_op_collection_trains_like_the_large_batch(
+    grad_steps, use_tpu, tmp_path):
+  """As a bare optimizer's, `minimize` lists its op in TRAIN_OP, and
+  nothing made inside its cond (which cannot be fetched): a script that
+  writes the meta graph, imports it in a new graph and fetches the train op
+  from the collection trains like the large batch."""
+  data = models.make_data(models.CYCLES, grad_steps * models.MICRO_BATCH)
+  expected, _, _ = training.train(models.OPTIMIZERS['Momentum'], data)
+  trainer = training.Trainer(models.OPTIMIZERS['Momentum'], grad_steps,
+                             use_tpu=use_tpu)
+  listed = trainer.graph.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP)
+  assert len(listed) == 1 and listed[0] is trainer.train_op
+  with trainer.graph.as_default(), trainer.session() as session:
+    path = tf.compat.v1.train.Saver().save(session, str(tmp_path / 'ckpt'))
+  names = sorted(trainer.variables)
+  inputs = [tensor.name for tensor in trainer.inputs]
+  with tf.Graph().as_default():
+    saver = tf.compat.v1.train.import_meta_graph(path + '.meta')
+    train_op, = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP)
+    imported = {v.op.name: v for v in tf.compat.v1.global_variables()}
+    variables = [imported[name] for name in names]
+    with tf.compat.v1.Session() as session:
+      saver.restore(session, path)
+      actual = []
+      for batch in zip(*data):
+        for k in range(grad_steps):
+          rows = slice(k * models.MICRO_BATCH, (k + 1) * models.MICRO_BATCH)
+          session.run(train_op, {name: part[rows]
+                                 for name, part in zip(inputs, batch)})
+        actual.append(dict(zip(names, session.run(variables))))
+  training.assert_same_training(actual, expected)
+
+
+@pytest.mark.parametrize('per_replica', [False, True],
+                         ids=['one_wrapper', 'wrapper_per_replica'])
+def test_under_mirrored_strategy_the_train_op_collection_trains_alike(
+    per_replica):
+  """Under MirroredStrategy the collection holds one op, whose runs train
+  like the large batch."""
+  data = models.make_data(models.CYCLES,
+                          training.REPLICAS * 3 * models.MICRO_BATCH)
+  expected, _, _ = training.train(models.OPTIMIZERS['Momentum'], data)
+  trainer = training.MirroredTrainer(models.OPTIMIZERS['Momentum'], 3,
+                                     wrapper_per_replica=per_replica)
+  trainer.train_op, = trainer.graph.get_collection(
+      tf.compat.v1.GraphKeys.TRAIN_OP)
+  with trainer.session() as session:
+    actual = trainer.run(session, data)
+  training.assert_same_training(actual, expected)
