@@ -518,11 +518,18 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     # by handles of its own (`compat.cond`).
     decides = (self._policy.nonfinite_policy or restart is not None or (
         self._policy.weighted and self._policy.aggregation == 'mean'))
+    summaries = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
+
+    def apply_step():
+      op = self._apply_step(distribution, part, restart, multi_worker)
+      if decides or not isinstance(state.position.is_end, bool):  # in a cond
+        _check_no_summary_made(summaries)
+      return op
+
     with tf.control_dependencies(list(micro_steps) + marks):
       applied = compat.cond(
-          state.position.is_end,
-          lambda: self._apply_step(distribution, part, restart, multi_worker),
-          tf.no_op, [] if decides else self._updated(parts[0].var_list))
+          state.position.is_end, apply_step, tf.no_op,
+          [] if decides else self._updated(parts[0].var_list))
     op = state.advance(state.position, applied)  # 6.
     for known, names in self._records:
       if known is state:
@@ -779,6 +786,34 @@ def _should_apply(policy, totals):
   if not decisions:
     return None
   return decisions[0] if len(decisions) == 1 else tf.logical_and(*decisions)
+
+
+def _check_no_summary_made(before):
+  """Refuses a summary made inside the apply step.
+
+  A summary made where the wrapped optimizer applies (a learning rate's, in
+  a callable it calls there) lives inside the apply step's cond: it cannot
+  be fetched on the other micro-steps, nor merged (`merge_all`, which
+  Estimator and MonitoredTrainingSession run, fails on it).
+
+  Args:
+    before: the graph's SUMMARIES collection before the apply step.
+
+  Raises:
+    ValueError: a summary was made since, naming it.
+  """
+  made = [summary.name for summary in tf.compat.v1.get_collection(
+      tf.compat.v1.GraphKeys.SUMMARIES) if all(
+          summary is not known for known in before)]
+  if made:
+    raise ValueError(
+        'The wrapped optimizer made the summaries %s while applying: with '
+        'GradientAggregationOptimizer it applies only at the end of a '
+        'cycle, inside a tf.cond, where a summary cannot be fetched on the '
+        'other micro-steps nor merged (merge_all, which Estimator and '
+        'MonitoredTrainingSession run, would fail). Make the summary '
+        'outside minimize, e.g. of the learning rate tensor before passing '
+        'it to the optimizer.' % made)
 
 
 def _listed_as_train_op(train_op, before):

@@ -527,3 +527,45 @@ def test_a_schedule_of_zero_fails_before_a_skipped_micro_batch_counts(
       for v in tf.compat.v1.global_variables():
         np.testing.assert_array_equal(session.run(v), before[v.op.name],
                                       err_msg=v.op.name)
+
+
+def _learning_rate_with_summary():
+  rate = tf.constant(0.1)
+  tf.compat.v1.summary.scalar('learning_rate', rate)
+  return rate
+
+
+@pytest.mark.parametrize('grad_steps, policy', [
+    (3, None), (1, 'skip_cycle')], ids=['a_cycle', 'a_policy'])
+def test_a_summary_made_while_applying_fails_naming_it(grad_steps, policy,
+                                                       use_tpu):
+  """Made inside the apply step's cond (a cycle's end, or a policy's
+  decision), a summary could not be fetched or merged: named at graph
+  build."""
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', initializer=np.ones(2, np.float32))
+    optimizer = GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(
+            _learning_rate_with_summary), grad_steps, use_tpu=use_tpu,
+        nonfinite_policy=policy)
+    with pytest.raises(ValueError, match='summaries .*learning_rate.* '
+                       'outside minimize'):
+      optimizer.minimize(tf.reduce_sum(w * w))
+
+
+def test_at_grad_steps_one_a_summary_made_while_applying_is_merged(use_tpu):
+  """With grad_steps=1 and no decision the apply step is no cond: the
+  summary is merged and holds the rate, and training is the bare
+  optimizer's."""
+  data = models.make_data(models.CYCLES, models.MICRO_BATCH)
+  expected, _, _ = training.train(models.OPTIMIZERS['GradientDescent'], data)
+  trainer = training.Trainer(
+      lambda step: tf.compat.v1.train.GradientDescentOptimizer(
+          _learning_rate_with_summary), 1, use_tpu=use_tpu)
+  with trainer.graph.as_default():
+    merged = tf.compat.v1.summary.merge_all()
+  with trainer.session() as session:
+    actual = trainer.run(session, data)
+    summary = tf.compat.v1.Summary.FromString(session.run(merged))
+  training.assert_same_training(actual, expected)
+  assert [v.simple_value for v in summary.value] == [pytest.approx(0.1)]
