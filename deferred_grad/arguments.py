@@ -424,7 +424,10 @@ def check_apply_gradients(grads_and_vars, global_step, name,
     RuntimeError: in eager mode or inside a `tf.function`; on the GPU path
       in a cross-replica context; under a multi-worker
       ParameterServerStrategy (see `check_replicas`).
-    TypeError: `global_step` is not a `Variable`, or `name` not a string.
+    NotImplementedError: a pair with a gradient holds no `tf.Variable`.
+    TypeError: `global_step` is not a `Variable`, or `name` not a string; a
+      gradient is not convertible to a Tensor or IndexedSlices, or its dtype
+      is not its variable's.
     ValueError: no pairs, or every gradient is None; or the gradients come
       from a `SyncReplicasOptimizer`; or `apply_crs_to_grad=True` outside a
       TPU computation; or `accumulator_dtype` is narrower than a
@@ -439,7 +442,8 @@ def check_apply_gradients(grads_and_vars, global_step, name,
                     (global_step,))
   if name is not None and not isinstance(name, six.string_types):
     raise TypeError('name must be None or a string, got %r.' % (name,))
-  present = [(g, v) for g, v in grads_and_vars if g is not None]
+  present = [_checked_pair(index, g, v)
+             for index, (g, v) in enumerate(grads_and_vars) if g is not None]
   check_not_synced([g for g, _ in present])
   if not present:
     raise ValueError('No gradients provided for any variable: %s.' %
@@ -450,6 +454,48 @@ def check_apply_gradients(grads_and_vars, global_step, name,
   for _, variable in present:
     check_accumulator_width(accumulator_dtype, variable)
   return present
+
+
+def _checked_pair(index, gradient, variable):
+  """(`gradient` as a Tensor or IndexedSlices, `variable`), or raises.
+
+  The bare optimizer takes anything convertible (a list, a numpy array, a
+  variable) and refuses a gradient of another dtype than its variable's;
+  the wrapper would otherwise cast it into the accumulator and train.
+
+  Args:
+    index: the pair's place in `grads_and_vars`, for the message.
+    gradient: its gradient, not None.
+    variable: its variable.
+
+  Returns:
+    A (gradient, variable) pair.
+
+  Raises:
+    NotImplementedError: `variable` is not a `tf.Variable` (a Tensor, as
+      `compute_gradients` may list, cannot be updated).
+    TypeError: `gradient` is not convertible to a Tensor or IndexedSlices,
+      or its dtype is not the variable's.
+  """
+  if not isinstance(variable, tf.Variable):
+    raise NotImplementedError(
+        'grads_and_vars[%d]: apply_gradients updates variables; got %r of '
+        'type %s, which cannot be updated.' %
+        (index, variable, type(variable).__name__))
+  try:
+    gradient = tf.compat.v1.convert_to_tensor_or_indexed_slices(gradient)
+  except (TypeError, ValueError):
+    raise TypeError(
+        'grads_and_vars[%d]: the gradient of %s must be None or convertible '
+        'to a Tensor or IndexedSlices, got %r.' %
+        (index, variable.name, gradient))
+  if gradient.dtype.base_dtype != variable.dtype.base_dtype:
+    raise TypeError(
+        'grads_and_vars[%d]: the gradient of %s has dtype %s; expected %s, '
+        'the variable\'s.' % (index, variable.name,
+                              gradient.dtype.base_dtype.name,
+                              variable.dtype.base_dtype.name))
+  return gradient, variable
 
 
 def sum_duplicates(pairs):

@@ -374,8 +374,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       RuntimeError: in eager mode or inside a `tf.function`; on the GPU path
         in a cross-replica context; under a multi-worker
         `ParameterServerStrategy`.
+      NotImplementedError: a pair with a gradient holds no `tf.Variable`.
       TypeError: `global_step` is not a `Variable`, or `name` not a string;
-        `micro_batch_weight` is not of a number dtype.
+        a gradient is not convertible to a Tensor or IndexedSlices, or its
+        dtype is not its variable's; `micro_batch_weight` is not of a number
+        dtype.
       ValueError: no pairs, or every gradient is None; the gradients come
         from a `SyncReplicasOptimizer`; `apply_crs_to_grad=True` outside a
         TPU computation; the TPU path under a multi-replica strategy;

@@ -104,6 +104,79 @@ def test_name_must_be_a_string():
           [(tf.ones([2]), v) for v in variables], name=3)
 
 
+@pytest.mark.parametrize('gradient', [
+    [1.0, -3.0], np.array([1.0, -3.0], np.float32)])
+@pytest.mark.parametrize('grad_steps', [1, 3])
+def test_a_gradient_given_as_a_list_or_array_trains_as_the_bare(
+    gradient, grad_steps, use_tpu):
+  # The bare optimizer converts what it is given; so does the wrapper.
+  def run(wrap):
+    with tf.Graph().as_default():
+      variable = tf.compat.v1.get_variable(
+          'v', initializer=np.array([1.0, 2.0], np.float32))
+      optimizer = _sgd()
+      if wrap:
+        optimizer = GradientAggregationOptimizer(optimizer, grad_steps,
+                                                 use_tpu=use_tpu)
+      train_op = optimizer.apply_gradients([(gradient, variable)])
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(grad_steps if wrap else 1):
+          session.run(train_op)
+        return session.run(variable)
+  # The same gradient on every micro-batch: the mean is that gradient.
+  np.testing.assert_allclose(run(True), run(False), rtol=1e-6)
+  np.testing.assert_allclose(run(True), [0.9, 2.3], rtol=1e-6)
+
+
+@pytest.mark.parametrize('gradient, dtype', [
+    (lambda: tf.constant([1.0, 1.0], tf.float64), 'float64'),
+    (lambda: tf.constant([1, 1]), 'int32'),
+    (lambda: tf.IndexedSlices(tf.constant([1.0], tf.float64),
+                              tf.constant([0]), tf.constant([2])),
+     'float64'),
+])
+@pytest.mark.parametrize('grad_steps', [1, 3])
+def test_a_gradient_of_another_dtype_than_its_variable_is_refused(
+    gradient, dtype, grad_steps, use_tpu):
+  # The bare optimizer refuses it (or, on a resource variable, TensorFlow
+  # aborts at run time); the wrapper would cast it into its accumulator.
+  with tf.Graph().as_default():
+    variables = _variables()
+    optimizer = GradientAggregationOptimizer(_sgd(), grad_steps,
+                                             use_tpu=use_tpu)
+    with pytest.raises(TypeError, match=r'grads_and_vars\[1\]: the gradient '
+                       'of second:0 has dtype %s; expected float32' % dtype):
+      optimizer.apply_gradients([(tf.ones([2]), variables[0]),
+                                 (gradient(), variables[1])])
+
+
+def test_a_gradient_that_is_no_tensor_is_refused():
+  with tf.Graph().as_default():
+    variables = _variables()
+    with pytest.raises(TypeError, match=r'grads_and_vars\[0\]: the gradient '
+                       'of first:0 must be None or convertible'):
+      GradientAggregationOptimizer(_sgd(), 2).apply_gradients(
+          [({'a': 1}, variables[0])])
+
+
+@pytest.mark.parametrize('grad_steps', [1, 2])
+def test_a_tensor_in_place_of_a_variable_cannot_be_updated(grad_steps):
+  # As with the bare optimizer: compute_gradients may list a Tensor, but
+  # apply_gradients updates variables only.
+  with tf.Graph().as_default():
+    x = tf.constant(1.0)
+    optimizer = GradientAggregationOptimizer(_sgd(), grad_steps)
+    grads_and_vars = optimizer.compute_gradients(x * x, [x])
+    assert grads_and_vars[0][1] is x
+    with tf.compat.v1.Session() as session:
+      assert session.run(grads_and_vars[0][0]) == 2.0
+    with pytest.raises(NotImplementedError,
+                       match=r'grads_and_vars\[0\]: apply_gradients updates '
+                       'variables; got <tf.Tensor'):
+      optimizer.apply_gradients(grads_and_vars)
+
+
 def test_gpu_path_refuses_cross_replica_context():
   with tf.Graph().as_default():
     strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
