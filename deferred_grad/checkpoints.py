@@ -414,13 +414,61 @@ class Saver(tf.compat.v1.train.Saver):
     have given it.
 
   Build it after the wrapper's train ops, so that it knows their state.
+  Made with `defer_build=True` (as the wrapper's default saver is), it is
+  built when first needed: by `build`, as a Scaffold does, or else when its
+  `saver_def` is read or it saves.
   """
+
+  def __init__(self, *args, **kwargs):
+    self._built_when_read = False
+    super(Saver, self).__init__(*args, **kwargs)
+    self._graph_made_in = tf.compat.v1.get_default_graph()
+    self._built_when_read = self._built_def is None  # defer_build
+
+  # A Supervisor takes the graph's default saver, reads its SaverDef and
+  # finalizes the graph, without calling `build` (a Scaffold calls it): the
+  # wrapper's default saver, deferred so that it saves the variables made
+  # after the train op, is built at that first read, as a plain saver made
+  # there would be. Not when the graph's SAVERS collection is exported
+  # (`to_proto`), which may happen before the model's last variables exist.
+  @property
+  def saver_def(self):
+    """The `SaverDef` (see `tf.compat.v1.train.Saver`); builds a deferred
+    saver on first read, unless its graph is finalized or it is exported."""
+    reader = inspect.currentframe().f_back
+    try:
+      exporting = (reader is not None and reader.f_code is
+                   tf.compat.v1.train.Saver.to_proto.__code__)
+    finally:
+      del reader
+    if (self._built_when_read and not exporting and
+        not self._graph_made_in.finalized):
+      with self._graph_made_in.as_default():
+        self.build()
+    return self._built_def
+
+  @saver_def.setter
+  def saver_def(self, value):
+    self._built_def = value
+
+  def save(self, sess, save_path, *args, **kwargs):
+    """As `tf.compat.v1.train.Saver.save`; builds a deferred saver first.
+
+    Args:
+      sess, save_path, *args, **kwargs: as `tf.compat.v1.train.Saver.save`.
+
+    Returns:
+      The checkpoint's path prefix, or None (as the plain `save`).
+    """
+    self.saver_def  # pylint: disable=pointless-statement
+    return super(Saver, self).save(sess, save_path, *args, **kwargs)
 
   def build(self):
     """Builds the save and restore ops (as `tf.compat.v1.train.Saver`'s),
     with the train ops' settings and the wrapped optimizer's variables under
     their names without the wrapper, and the restore ops of each other name
     a variable may have in a checkpoint."""
+    self._built_when_read = False  # the base build reads saver_def
     graph = tf.compat.v1.get_default_graph()
     self._settings = list(graph.get_collection(_SETTINGS))
     restored = self._var_list

@@ -135,6 +135,65 @@ def test_monitored_session_resumes_mid_cycle(use_tpu, tmp_path):
   training.assert_same_training([resumed], [expected], rtol=0, atol=0)
 
 
+def _train_supervised(trainer, logdir, first_step, last_step, batches):
+  """Trains under a Supervisor (restoring logdir's newest checkpoint) from
+  first_step to last_step, then saves with the Supervisor's saver."""
+  with trainer.graph.as_default():
+    supervisor = tf.compat.v1.train.Supervisor(
+        logdir=logdir, save_model_secs=0, save_summaries_secs=0)
+    with supervisor.managed_session() as session:
+      assert session.run(trainer.global_step) == first_step
+      for step in range(first_step, last_step):
+        trainer.micro_step(session, *[part[step] for part in batches])
+      supervisor.saver.save(session, supervisor.save_path,
+                            global_step=trainer.global_step)
+
+
+@pytest.mark.parametrize('model', ['mlp', 'embedding'])
+def test_supervisor_resumes_mid_cycle(use_tpu, model, tmp_path):
+  # A Supervisor saves with the graph's default saver, reading its SaverDef
+  # and finalizing the graph without building it; the wrapper's default
+  # saver failed there ("build() should be called before save").
+  expected, _ = _uninterrupted(use_tpu, model=model)
+  batches = _micro_batches(model)
+  logdir = str(tmp_path)
+  _train_supervised(_trainer(use_tpu, model), logdir, 0, STOP_STEP, batches)
+  latest = tf.train.latest_checkpoint(logdir)
+  dense = {'mlp': 'w1', 'embedding': 'projection'}[model]
+  saved = tf.train.load_variable(latest, dense + '/GradientAccumulator')
+  assert np.any(saved != 0)  # the checkpoint holds a partial cycle
+  second = _trainer(use_tpu, model)
+  _train_supervised(second, logdir, STOP_STEP, TOTAL_STEPS, batches)
+  latest = tf.train.latest_checkpoint(logdir)
+  resumed = {name: tf.train.load_variable(latest, name) for name in expected}
+  training.assert_same_training([resumed], [expected], rtol=0, atol=0)
+
+
+def test_default_saver_saves_variables_made_after_an_early_export(tmp_path):
+  # Exporting the graph (its SAVERS collection) before the model is complete
+  # must not build the default saver: variables made later are saved too.
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', initializer=[1.0, 2.0])
+    optimizer = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5), 2)
+    train_op = optimizer.minimize(
+        tf.reduce_sum(w * w),
+        global_step=tf.compat.v1.train.get_or_create_global_step())
+    tf.compat.v1.train.export_meta_graph(str(tmp_path / 'early.meta'))
+    later = tf.compat.v1.get_variable('later', initializer=[7.0])
+    set_later = later.assign([3.0])
+    with tf.compat.v1.train.MonitoredTrainingSession(
+        checkpoint_dir=str(tmp_path), save_checkpoint_steps=1,
+        save_summaries_steps=None, save_summaries_secs=None) as session:
+      session.run(set_later)
+      for _ in range(2):
+        session.run(train_op)
+  latest = tf.train.latest_checkpoint(str(tmp_path))
+  np.testing.assert_array_equal(tf.train.load_variable(latest, 'later'), [3.0])
+  # One applied cycle of the mean of two equal gradients 2w: w - 0.5 * 2w.
+  np.testing.assert_allclose(tf.train.load_variable(latest, 'w'), [0.0, 0.0])
+
+
 @pytest.mark.parametrize('model', ['mlp', 'embedding'])
 def test_restores_a_checkpoint_written_under_the_original_names(
     use_tpu, model, tmp_path):
