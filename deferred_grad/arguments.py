@@ -226,7 +226,7 @@ def check_clip_norm(clip_norm):
     clip_norm: the constructor's `clip_norm`.
 
   Returns:
-    `clip_norm`.
+    `clip_norm`, or None for an infinite one.
 
   Raises:
     TypeError: neither None nor a real number (a bool is refused).
@@ -240,6 +240,10 @@ def check_clip_norm(clip_norm):
   if not clip_norm > 0:
     raise ValueError('clip_norm must be None or a positive number, got '
                      '%r.' % (clip_norm,))
+  if np.isinf(clip_norm):
+    # No norm exceeds it: no clipping (tf.clip_by_global_norm would scale
+    # by inf * 0, NaN, and train every weight to NaN).
+    return None
   return clip_norm
 
 

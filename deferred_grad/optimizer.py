@@ -163,7 +163,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       accumulator_dtype: None (the variable's dtype), or a wider float dtype
         such as tf.float32 to sum half-precision gradients in.
       clip_norm: None, or a positive float: the cycle's gradient is clipped
-        to this global norm (over all replicas).
+        to this global norm (over all replicas); inf clips nothing.
       aggregation: 'mean' (the default, the original's) or 'sum': what the
         cycle applies of its micro-batch gradients.
       micro_batch_weight: None, or a scalar tensor (or a callable, called on

@@ -218,6 +218,17 @@ def test_clip_norm_clips_the_accumulated_gradient(use_tpu):
     assert_same_training(actual, unclipped)
 
 
+@pytest.mark.parametrize('clip_norm', [float('inf'), np.inf])
+def test_an_infinite_clip_norm_clips_nothing(clip_norm, use_tpu):
+  # tf.clip_by_global_norm(..., inf) scales by inf * 0: NaN weights.
+  data = make_data(models.CYCLES, GRAD_STEPS * models.MICRO_BATCH)
+  unclipped, _, _ = train(models.OPTIMIZERS['Momentum'], data)
+  actual, _, _ = train(models.OPTIMIZERS['Momentum'], data,
+                       grad_steps=GRAD_STEPS, use_tpu=use_tpu,
+                       clip_norm=clip_norm)
+  assert_same_training(actual, unclipped)
+
+
 def test_clip_norm_under_mirrored_strategy_uses_the_global_norm():
   """In both behaviours (under disable_v2_behavior() too)."""
   data = make_data(models.CYCLES,
