@@ -194,6 +194,53 @@ def test_default_saver_saves_variables_made_after_an_early_export(tmp_path):
   np.testing.assert_allclose(tf.train.load_variable(latest, 'w'), [0.0, 0.0])
 
 
+def _train_with_own_saver(trainer, checkpoint_dir, last_step, batches,
+                          in_scaffold):
+  """MonitoredTrainingSession with the script's own Saver (keeping 1) added
+  to the SAVERS collection after minimize, as much TF1 code does, and
+  handed over in a Scaffold if `in_scaffold`."""
+  with trainer.graph.as_default():
+    saver = tf.compat.v1.train.Saver(max_to_keep=1)
+    tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, saver)
+    scaffold = tf.compat.v1.train.Scaffold(saver=saver if in_scaffold
+                                           else None)
+    with tf.compat.v1.train.MonitoredTrainingSession(
+        checkpoint_dir=checkpoint_dir, scaffold=scaffold,
+        hooks=[tf.compat.v1.train.StopAtStepHook(last_step=last_step)],
+        save_checkpoint_steps=2, save_summaries_steps=None,
+        save_summaries_secs=None, log_step_count_steps=None) as session:
+      step = session.run(trainer.global_step)
+      while not session.should_stop():
+        trainer.micro_step(session, *[part[step] for part in batches])
+        step += 1
+
+
+def test_own_saver_in_a_scaffold_is_used_and_resumes_mid_cycle(use_tpu,
+                                                             tmp_path):
+  expected, _ = _uninterrupted(use_tpu)
+  batches = _micro_batches()
+  checkpoint_dir = str(tmp_path)
+  _train_with_own_saver(_trainer(use_tpu), checkpoint_dir, STOP_STEP,
+                        batches, in_scaffold=True)
+  _train_with_own_saver(_trainer(use_tpu), checkpoint_dir, TOTAL_STEPS,
+                        batches, in_scaffold=True)
+  kept = [name for name in os.listdir(checkpoint_dir)
+          if name.endswith('.index')]
+  assert kept == ['model.ckpt-%d.index' % TOTAL_STEPS]  # its max_to_keep
+  resumed = {name: tf.train.load_variable(checkpoint_dir, name)
+             for name in expected}
+  training.assert_same_training([resumed], [expected], rtol=0, atol=0)
+
+
+def test_own_saver_only_in_the_collection_is_a_clear_error(tmp_path):
+  # The wrapper made its default saver there first: two savers, and the
+  # Scaffold cannot choose. The README says to hand yours over in a
+  # Scaffold.
+  with pytest.raises(RuntimeError, match='More than one item in collection'):
+    _train_with_own_saver(_trainer(False), str(tmp_path), 2,
+                          _micro_batches(), in_scaffold=False)
+
+
 @pytest.mark.parametrize('model', ['mlp', 'embedding'])
 def test_restores_a_checkpoint_written_under_the_original_names(
     use_tpu, model, tmp_path):

@@ -54,7 +54,11 @@ grad_steps), so the Saver raises a ValueError saying so; give grad_steps as
 a tensor (`tf.constant(k)`), whose counters start afresh, to turn
 accumulation on at any step. The default saver keeps the 5 newest
 checkpoints, as MonitoredTrainingSession's does (under an Estimator, what
-its `RunConfig(keep_checkpoint_max)` asks for).
+its `RunConfig(keep_checkpoint_max)` asks for). A saver of your own goes in
+the Scaffold (`Scaffold(saver=...)`, as the Object Detection API does);
+added to the SAVERS collection after `minimize` alone, it is a second saver
+there, and the Scaffold fails with `RuntimeError: More than one item in
+collection savers` (make it a `deferred_grad.Saver` to keep switching).
 
 Resuming with other settings (the README's "Checkpoints" has the table):
 aggregation, sparse_as_dense and the TPU-to-GPU path may change at any
