@@ -550,14 +550,20 @@ class Saver(tf.compat.v1.train.Saver):
     Raises:
       tf.errors.NotFoundError: the checkpoint lacks a variable that is not
         the wrapper's state, under every name it could have.
-      ValueError: it was written mid-cycle under other settings (see the
-        class).
+      ValueError: `save_path` is not a checkpoint (as with a plain Saver);
+        or it was written mid-cycle under other settings (see the class).
     """
     if save_path is None:
       return super(Saver, self).restore(sess, save_path)
     if getattr(self, '_fallback', None) is None:
       self.build()
-    keys = {name for name, _ in tf.train.list_variables(save_path)}
+    try:
+      keys = {name for name, _ in tf.train.list_variables(save_path)}
+    except tf.errors.NotFoundError:
+      # As a plain Saver says it (code that restores or else initializes
+      # catches this ValueError).
+      raise ValueError('The passed save_path is not a valid checkpoint: %s'
+                       % (save_path,))
     wanted = set(name for restore in self._fallback
                  for name in restore.names)
     if wanted | self._extra_names <= keys:

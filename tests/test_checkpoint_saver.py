@@ -424,3 +424,16 @@ def test_saver_in_a_monitored_session_scaffold(use_tpu, tmp_path):
       for step in range(6):
         trainer.micro_step(session, x[step], y[step])
       assert session.run(trainer.global_step) == start + 6
+
+
+@pytest.mark.parametrize('saver',
+                         [tf.compat.v1.train.Saver, deferred_grad.Saver])
+def test_a_path_that_is_no_checkpoint_is_a_value_error(saver, tmp_path):
+  # Code that restores or else initializes catches the plain Saver's
+  # ValueError; deferred_grad.Saver raised a NotFoundError.
+  trainer = _trainer()
+  with trainer.graph.as_default():
+    made = saver()
+    with tf.compat.v1.Session() as session:
+      with pytest.raises(ValueError, match='not a valid checkpoint'):
+        made.restore(session, str(tmp_path / 'model.ckpt-3'))
