@@ -54,7 +54,11 @@ ensure_venv() {
     "$python" -m venv "$venv" >&2 || return 1
     "$venv/bin/pip" install --quiet --disable-pip-version-check $requirements >&2 || return 1
     if [ -n "$extras" ]; then
-      "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps $extras >&2 || return 1
+      # Some TensorFlow patch releases (2.18.1) have no tf_keras of their own:
+      # then the newest tf_keras of the same minor version.
+      "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps $extras >&2 ||
+        "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps \
+          "tf_keras==${version%.*}.*" >&2 || return 1
     fi
     echo "$recorded" > "$venv/.requirements"
   fi
