@@ -441,15 +441,19 @@ class Saver(tf.compat.v1.train.Saver):
                    tf.compat.v1.train.Saver.to_proto.__code__)
     finally:
       del reader
-    if (self._built_when_read and not exporting and
-        not self._graph_made_in.finalized):
-      with self._graph_made_in.as_default():
-        self.build()
+    if not exporting:
+      self._build_if_deferred()
     return self._built_def
 
   @saver_def.setter
   def saver_def(self, value):
     self._built_def = value
+
+  def _build_if_deferred(self):
+    """Builds a deferred saver not built yet, unless its graph is final."""
+    if self._built_when_read and not self._graph_made_in.finalized:
+      with self._graph_made_in.as_default():
+        self.build()
 
   def save(self, sess, save_path, *args, **kwargs):
     """As `tf.compat.v1.train.Saver.save`; builds a deferred saver first.
@@ -460,7 +464,7 @@ class Saver(tf.compat.v1.train.Saver):
     Returns:
       The checkpoint's path prefix, or None (as the plain `save`).
     """
-    self.saver_def  # pylint: disable=pointless-statement
+    self._build_if_deferred()
     return super(Saver, self).save(sess, save_path, *args, **kwargs)
 
   def build(self):

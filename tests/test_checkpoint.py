@@ -97,16 +97,20 @@ def _uninterrupted(use_tpu, stop_step=None, model='mlp'):
     return session.run(trainer.variables), state
 
 
-def _train_monitored(trainer, checkpoint_dir, last_step, batches=None):
-  """Trains with MonitoredTrainingSession up to last_step, saving as it goes."""
+def _train_monitored(trainer, checkpoint_dir, last_step, batches=None,
+                     scaffold=None):
+  """Trains with MonitoredTrainingSession up to last_step, saving as it goes
+  (with `scaffold`'s saver where given)."""
   batches = _micro_batches() if batches is None else batches
   with trainer.graph.as_default():
     hooks = [
         tf.compat.v1.train.StopAtStepHook(last_step=last_step),
-        tf.compat.v1.train.CheckpointSaverHook(checkpoint_dir, save_steps=2),
+        tf.compat.v1.train.CheckpointSaverHook(checkpoint_dir, save_steps=2,
+                                               scaffold=scaffold),
     ]
     with tf.compat.v1.train.MonitoredTrainingSession(
         checkpoint_dir=checkpoint_dir,
+        scaffold=scaffold,
         hooks=hooks,
         save_checkpoint_secs=None,
         save_checkpoint_steps=None,
@@ -196,23 +200,16 @@ def test_default_saver_saves_variables_made_after_an_early_export(tmp_path):
 
 def _train_with_own_saver(trainer, checkpoint_dir, last_step, batches,
                           in_scaffold):
-  """MonitoredTrainingSession with the script's own Saver (keeping 1) added
-  to the SAVERS collection after minimize, as much TF1 code does, and
-  handed over in a Scaffold if `in_scaffold`."""
+  """`_train_monitored` with the script's own Saver (keeping 1) added to the
+  SAVERS collection after minimize, as much TF1 code does, and handed over
+  in a Scaffold if `in_scaffold`."""
   with trainer.graph.as_default():
     saver = tf.compat.v1.train.Saver(max_to_keep=1)
     tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, saver)
     scaffold = tf.compat.v1.train.Scaffold(saver=saver if in_scaffold
                                            else None)
-    with tf.compat.v1.train.MonitoredTrainingSession(
-        checkpoint_dir=checkpoint_dir, scaffold=scaffold,
-        hooks=[tf.compat.v1.train.StopAtStepHook(last_step=last_step)],
-        save_checkpoint_steps=2, save_summaries_steps=None,
-        save_summaries_secs=None, log_step_count_steps=None) as session:
-      step = session.run(trainer.global_step)
-      while not session.should_stop():
-        trainer.micro_step(session, *[part[step] for part in batches])
-        step += 1
+  return _train_monitored(trainer, checkpoint_dir, last_step, batches,
+                          scaffold=scaffold)
 
 
 def test_own_saver_in_a_scaffold_is_used_and_resumes_mid_cycle(use_tpu,
