@@ -255,6 +255,11 @@ class TrainOpState(object):
     position: the `Position` a run of this train op reads first (None
       until `begin_run`): fetched alone it says what the next run will do.
     lock: the lock a run holds, or None.
+    updated: a boolean scalar, True where a run applied an update (its
+      value exists once the run's apply step has run), or None until the
+      train op is built.
+    op_names: the names of the ops that end its runs (`minimize` and
+      `apply_gradients` return them; one per wrapper under a strategy).
     lists: {id(table): its list of rows} (`accumulators`).
     counters: the counters: the cycle's, its counts, what a policy skipped.
   """
@@ -268,6 +273,8 @@ class TrainOpState(object):
     self.skipped_micro_batches, self.skipped_cycles = skipped
     self.position = None
     self.lock = None
+    self.updated = None
+    self.op_names = []
     self.lists = {}
     self.counters = cycle.variables() + [
         counts[name] for name in sorted(counts or {})] + [
@@ -586,6 +593,7 @@ def _count_global_step(global_step, accumulates):
   counted.append((key, accumulates))
 
 
+@tf.autograph.experimental.do_not_convert
 def applied_updates(global_step, grad_steps, name=None):
   """Returns how many accumulated updates have been applied, as a tensor.
 
@@ -604,6 +612,14 @@ def applied_updates(global_step, grad_steps, name=None):
       tf.compat.v1.train.MomentumOptimizer(learning_rate, 0.9), grad_steps=4)
   ```
 
+  Made after a train op that counts `global_step` with this `grad_steps`
+  (in a moving average after the train op, a summary, a hook's fetch), it
+  is that train op's `applied_updates()`: the updates before the run,
+  wherever it is read in the run. Made before one (a learning rate), it is
+  `global_step // grad_steps`, a plain read: right where the update reads
+  it, but fetched in a run beside the train op it may read `global_step`
+  before or after the run's increment (README "Counters").
+
   With a schedule (`grad_steps` a tensor or a callable) the updates are
   not a function of `global_step`: use the wrapper's
   `GradientAggregationOptimizer.applied_updates()` there.
@@ -615,7 +631,7 @@ def applied_updates(global_step, grad_steps, name=None):
     name: optional name for the returned tensor's scope.
 
   Returns:
-    An integer tensor: `global_step // grad_steps`.
+    An integer tensor of `global_step`'s dtype: `global_step // grad_steps`.
 
   Raises:
     TypeError, ValueError: `grad_steps` is not a positive int (a schedule
@@ -629,4 +645,17 @@ def applied_updates(global_step, grad_steps, name=None):
         'applied_updates() method.' % (grad_steps,))
   grad_steps = arguments.check_positive_int(grad_steps, 'grad_steps')
   with tf.compat.v1.name_scope(name, 'applied_updates', [global_step]):
+    counting = [state for state in _states(global_step.graph)
+                if state.position is not None and
+                state.cycle.grad_steps == grad_steps and
+                getattr(state.global_step, 'name', None) == global_step.name]
+    if counting:  # read once per run, before the run counts
+      return tf.cast(counting[-1].position.updates,
+                     global_step.dtype.base_dtype)
     return tf.math.floordiv(global_step, grad_steps)
+
+
+def _states(graph):
+  """The records of the train ops built in `graph`, in order."""
+  train_ops = graph.get_collection(_TRAIN_OPS)
+  return list(train_ops[0][0]) if train_ops else []

@@ -50,6 +50,7 @@ def collective_run_options(graph_key=COLLECTIVE_GRAPH_KEY,
   return options
 
 
+@tf.autograph.experimental.do_not_convert
 def collective_barrier(strategy=None):
   """A scalar all-reduce across all replicas: the training loop's first run.
 

@@ -34,6 +34,10 @@ from deferred_grad import cycle
 from deferred_grad import distribute
 
 tf = compat.import_tensorflow()
+# Entry points that user code reaches are never converted by AutoGraph (a
+# strategy converts the replica function, and with it what it calls): the
+# package's Python control flow is graph building, not computation.
+_not_converted = tf.autograph.experimental.do_not_convert
 
 NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
 AGGREGATIONS = ('mean', 'sum')
@@ -130,6 +134,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   own), so each micro-step counts once.
   """
 
+  @_not_converted
   def __init__(self,
                opt,
                grad_steps,
@@ -206,8 +211,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                                                        name=name)
     self._opt = opt
     self._grad_steps = grad_steps
-    # The records of the train ops built (`cycle.TrainOpState`), with the
-    # names of the ops that end their runs: [(state, [op names])].
+    # The records of the train ops built (`cycle.TrainOpState`): their
+    # counters, and the names of the ops that end their runs.
     self._records = []
     self.strategy = tf.distribute.get_strategy()
 
@@ -238,6 +243,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     return self._record(None, any_graph=True).skipped_cycles
 
+  @_not_converted
   def applies_update(self, train_op=None):
     """A boolean tensor: True when a run of the train op ends a cycle.
 
@@ -261,6 +267,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     return self._record(train_op).applies_update()
 
+  @_not_converted
   def micro_step_in_cycle(self, train_op=None):
     """An int64 tensor: a run's place in its cycle, 0 on its first.
 
@@ -275,6 +282,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     return self._record(train_op).micro_step_in_cycle()
 
+  @_not_converted
   def applied_updates(self, train_op=None):
     """An int64 tensor: the updates the train op applied before a run.
 
@@ -296,10 +304,68 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     return self._record(train_op).applied_updates()
 
+  @_not_converted
+  def once_per_update(self, train_op, fn):
+    """Runs `fn`'s ops after the update, on the runs that apply one.
+
+    What a model runs beside its train op once per batch (a moving average
+    of the weights, a weight projection, a pruning mask's update, counters
+    of its own) belongs to the update: with the wrapper it must run once
+    per cycle, after the wrapped optimizer has applied, as the large batch
+    runs it once per batch. Ordering it after the train op alone would run
+    it on every micro-step.
+
+    ```python
+    ema = tf.compat.v1.train.ExponentialMovingAverage(
+        0.9999, num_updates=opt.applied_updates() + 1)
+    train_op = opt.once_per_update(train_op, lambda: ema.apply(ema_vars))
+    ```
+
+    `fn` is called once, now, inside a `tf.cond` on whether the run applied
+    an update: not on accumulate-only micro-steps, nor on a cycle that a
+    `nonfinite_policy` (or a weight sum of 0) applied nothing in. Called in
+    a replica context (under a strategy, inside the replica function) it
+    runs on each replica, as the wrapped optimizer does; in a cross-replica
+    context, once. Counters read inside it are those of `applies_update`:
+    the values before the run (`applied_updates() + 1` is the updates
+    applied once this one is, the large batch's `global_step` after its
+    train op).
+
+    Args:
+      train_op: the op `minimize` or `apply_gradients` returned, or one
+        that groups it (the result of another `once_per_update` too).
+      fn: a callable with no arguments that makes the ops and returns them
+        (an op, a tensor, or a list of them), e.g. `lambda:
+        ema.apply(ema_vars)`.
+
+    Returns:
+      An op that runs `train_op`, then on update runs `fn`'s ops.
+
+    Raises:
+      ValueError: `train_op` is no train op of this wrapper (see
+        `applies_update`), or `fn` made a summary (a summary inside the
+        cond cannot be fetched on the other runs: make it of a variable
+        that `fn` assigns).
+      TypeError: `fn` is not callable, or returned None.
+    """
+    if not callable(fn):
+      raise TypeError('once_per_update(train_op, fn): fn must be a callable '
+                      'that makes the ops and returns them, got %r.' % (fn,))
+    state = self._record(train_op)
+    context = tf.distribute.get_replica_context()
+    if context is None or self._use_tpu:  # here, as the TPU path decides
+      return _after_update(train_op, state.updated, fn)
+
+    def across_replicas(distribution, train_op, fn):
+      first = distribution.experimental_local_results
+      return _after_update(first(train_op)[0], state.updated, first(fn)[0])
+
+    return context.merge_call(across_replicas, args=(train_op, fn))
+
   def _record(self, train_op, any_graph=False):
     """The record (`cycle.TrainOpState`) of `train_op` in this graph."""
     graph = _outermost_graph()
-    records = [(state, names) for state, names in self._records
+    records = [state for state in self._records
                if state.position is not None and
                state.position.in_cycle.graph is graph]
     if any_graph and not records:
@@ -310,19 +376,21 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
           'call minimize or apply_gradients first. (For a learning rate, '
           'pass a callable: it is called as the train op is built.)')
     if train_op is None:
-      return records[-1][0]
-    # The op, or a group of it (`tf.group` nests its control inputs).
+      return records[-1]
+    # The op, or a group of it (`tf.group` nests its control inputs; a
+    # train op's own inputs are not searched).
     found, seen = [], set()
     pending = [getattr(train_op, 'op', train_op)]
-    while pending and len(seen) < 10000:
+    while pending:
       op = pending.pop()
       if op.name in seen:
         continue
       seen.add(op.name)
-      for state, names in records:
-        if op.name in names and all(state is not f for f in found):
-          found.append(state)
-      pending.extend(op.control_inputs)
+      owners = [state for state in records if op.name in state.op_names]
+      found.extend(state for state in owners
+                   if all(state is not f for f in found))
+      if not owners:
+        pending.extend(op.control_inputs)
     if len(found) == 1:
       return found[0]
     raise ValueError(
@@ -331,6 +399,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
             'groups several train ops of this wrapper' if found else
             'is not a train op of this wrapper in this graph')))
 
+  @_not_converted
   def compute_gradients(self, loss, var_list=None, **kwargs):
     """Delegates to the wrapped optimizer's `compute_gradients`.
 
@@ -356,6 +425,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   # -------------------------------------------------------- the algorithm --
 
+  @_not_converted
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Accumulates a micro-step's gradients; applies their mean every cycle.
 
@@ -431,8 +501,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
               self._xla_num_partitions, in_xla, local, multi_worker)
         else:
           accumulators = accumulators_lib.PassThrough(sparse)
-      if not any(state is known for known, _ in self._records):
-        self._records.append((state, []))
+      if not any(state is known for known in self._records):
+        self._records.append(state)
         if state.counters:  # restored (object-based) before they were made
           compat.handle_deferred_dependencies(
               self, [(v.op.name, v) for v in state.counters])
@@ -524,25 +594,32 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     summaries = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
 
     def apply_step():
-      op = self._apply_step(distribution, part, restart, multi_worker)
+      op, decision = self._apply_step(distribution, part, restart,
+                                      multi_worker)
       if decides or not isinstance(state.position.is_end, bool):  # in a cond
         _check_no_summary_made(summaries)
-      return op
+      # Out of the cond: whether this run applied an update (a policy or a
+      # dropped cycle may end a cycle applying nothing): `once_per_update`.
+      with tf.control_dependencies([op]):
+        return tf.identity(True if decision is None else decision,
+                           name='updated')
 
     with tf.control_dependencies(list(micro_steps) + marks):
-      applied = compat.cond(
-          state.position.is_end, apply_step, tf.no_op,
+      updated = compat.cond(
+          state.position.is_end, apply_step, lambda: tf.constant(False),
           [] if decides else self._updated(parts[0].var_list))
-    op = state.advance(state.position, applied)  # 6.
-    for known, names in self._records:
-      if known is state:
-        names.append(op.name)
+    state.updated = updated
+    op = state.advance(state.position, updated)  # 6.
+    state.op_names.append(op.name)
     return op
 
   def _apply_step(self, distribution, part, restart, multi_worker):
     """5. Sum the counts over replicas once, decide; on each, apply, reset.
 
     `restart`: a `distribute.MidCycleRestart`, or None.
+
+    Returns:
+      (the op, whether it applies: None for always, else a boolean scalar).
     """
     policy = self._policy
     parts = _parts(distribution, part)
@@ -574,16 +651,16 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     on_each = lambda apply: self._on_each_replica(distribution, part, length,
                                                   factor, apply)
     if decision is None:
-      return on_each(True)
+      return on_each(True), None
     applied = compat.cond(decision, lambda: on_each(True),
                           lambda: on_each(False),
                           self._updated(parts[0].var_list))
     if not policy.nonfinite_policy:
-      return applied
+      return applied, decision
     with tf.control_dependencies([applied]):
       return tf.group(applied, *state.count_skipped(
           (tf.cast(tf.round(totals[NONFINITE]), tf.int64),
-           1 - tf.cast(decision, tf.int64))))
+           1 - tf.cast(decision, tf.int64)))), decision
 
   def _on_each_replica(self, distribution, part, length, factor, apply):
     if distribution is None:  # the TPU path: this replica
@@ -625,6 +702,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
              for v in var_list]
     return list(var_list) + [slot for slot in slots if slot is not None]
 
+  @_not_converted
   def get_slot(self, var, name):
     """The slot `name` of `var`: the wrapped optimizer's, or an accumulator.
 
@@ -636,12 +714,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     Returns:
       The slot variable, or None.
     """
-    for state, _ in self._records:  # a table's list of rows (`accumulators`)
+    for state in self._records:  # a table's list of rows (`accumulators`)
       listed = state.lists.get(id(var))
       if listed is not None and accumulators_lib.slot_name_of(listed) == name:
         return listed
     return self._opt.get_slot(var, name)
 
+  @_not_converted
   def get_slot_names(self, *args, **kwargs):
     """The wrapped optimizer's slot names (with `grad_accum`).
 
@@ -663,7 +742,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def _own_children(self):
     """{name: variable}: this graph's counters of the wrapper's train ops."""
     graph = _outermost_graph()
-    return {v.op.name: v for state, _ in self._records
+    return {v.op.name: v for state in self._records
             for v in state.counters if getattr(v, 'graph', None) is graph}
 
   def _trackable_children(self, save_type='checkpoint', **kwargs):
@@ -680,6 +759,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     compat.create_or_restore_slot_variable(
         self._opt, slot_variable_position, slot_name, variable)
 
+  @_not_converted
   def variables(self):
     """The wrapped optimizer's and the wrapper's variables (this graph's).
 
@@ -690,7 +770,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     variables = list(self._opt.variables())
     graph = _outermost_graph()
-    for state, _ in self._records:
+    for state in self._records:
       variables.extend(own for own in state.variables()
                        if getattr(own, 'graph', None) is graph)
     return sorted(variables, key=lambda v: v.name)
@@ -791,16 +871,42 @@ def _should_apply(policy, totals):
   return decisions[0] if len(decisions) == 1 else tf.logical_and(*decisions)
 
 
-def _check_no_summary_made(before):
-  """Refuses a summary made inside the apply step.
+def _ops_of(fn):
+  """`fn()`'s ops grouped in one op; a TypeError where it returned None.
+
+  A control flow v1 branch runs only what its result depends on."""
+  made = fn()
+  if made is None:
+    raise TypeError(
+        'once_per_update(train_op, fn): fn returned None; it must return the '
+        'ops it made (an op, a tensor or a list of them), as '
+        'ExponentialMovingAverage.apply returns its op, or they would not run '
+        'under control flow v1.')
+  return tf.group(*tf.nest.flatten(made))
+
+
+def _after_update(train_op, updated, fn):
+  """`train_op` and, after it, `fn`'s ops where `updated` (a boolean scalar
+  of the train op: this run applied an update)."""
+  summaries = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
+  with tf.control_dependencies([train_op]):
+    after = compat.cond(updated, lambda: _ops_of(fn), tf.no_op)
+  _check_no_summary_made(summaries, "once_per_update's fn")
+  return tf.group(train_op, after)
+
+
+def _check_no_summary_made(before, maker='The wrapped optimizer'):
+  """Refuses a summary made inside the apply step's cond.
 
   A summary made where the wrapped optimizer applies (a learning rate's, in
-  a callable it calls there) lives inside the apply step's cond: it cannot
-  be fetched on the other micro-steps, nor merged (`merge_all`, which
-  Estimator and MonitoredTrainingSession run, fails on it).
+  a callable it calls there), or in `once_per_update`'s `fn`, lives inside
+  a cond: it cannot be fetched on the other micro-steps, nor merged
+  (`merge_all`, which Estimator and MonitoredTrainingSession run, fails on
+  it).
 
   Args:
-    before: the graph's SUMMARIES collection before the apply step.
+    before: the graph's SUMMARIES collection before the cond was built.
+    maker: what made the summaries, for the message.
 
   Raises:
     ValueError: a summary was made since, naming it.
@@ -810,13 +916,13 @@ def _check_no_summary_made(before):
           summary is not known for known in before)]
   if made:
     raise ValueError(
-        'The wrapped optimizer made the summaries %s while applying: with '
-        'GradientAggregationOptimizer it applies only at the end of a '
-        'cycle, inside a tf.cond, where a summary cannot be fetched on the '
-        'other micro-steps nor merged (merge_all, which Estimator and '
-        'MonitoredTrainingSession run, would fail). Make the summary '
-        'outside minimize, e.g. of the learning rate tensor before passing '
-        'it to the optimizer.' % made)
+        '%s made the summaries %s inside the tf.cond that runs once per '
+        'update (GradientAggregationOptimizer applies only at the end of a '
+        'cycle): there a summary cannot be fetched on the other micro-steps '
+        'nor merged (merge_all, which Estimator and MonitoredTrainingSession '
+        'run, would fail). Make the summary outside: of the learning rate '
+        'tensor before passing it to the optimizer, or of a variable that '
+        'the ops run once per update assign.' % (maker, made))
 
 
 def _listed_as_train_op(train_op, before):

@@ -53,6 +53,17 @@ OPTIMIZERS = {
 }
 
 
+def keras2():
+  """Keras 2: `tf.keras` on TensorFlow 2.15, the tf_keras package after (the
+  test is skipped where it is missing)."""
+  if tf.__version__.startswith('2.15.'):
+    return tf.keras
+  import pytest  # pylint: disable=g-import-not-at-top
+  return pytest.importorskip(
+      'tf_keras', reason='Keras 2 on TensorFlow %s is the tf_keras package: '
+      'pip install tf_keras==%s' % (tf.__version__, tf.__version__))
+
+
 def with_gradient_transform(make_optimizer, transform):
   """An optimizer factory whose optimizers transform what they apply.
 

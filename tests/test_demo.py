@@ -5,6 +5,7 @@ difference; the tests hold it to float32 round-off.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -48,6 +49,20 @@ def test_bert_porting_example_trains_like_the_large_batch():
   difference = float(output.rsplit('largest weight difference:', 1)[1])
   # BERT's loss adds 1e-5 to the masked-token count (see the example).
   assert difference < 1e-4, output
+
+
+@run_once_per_version
+@_needs_estimator
+def test_tpu_image_porting_example_trains_like_the_large_batch():
+  """Weights and moving averages as the large batch's; the averaged models
+  evaluate alike."""
+  output = run_tool('examples/tpu_image_porting.py', '--grad_steps=3',
+                    '--updates=4')
+  differences = scripts.largest_differences(output)
+  assert len(differences) == 2 and max(differences) < 1e-5, output
+  large, micro = [float(x) for x in re.findall(
+      r'(?:large batch|deferred_grad) ([\d.]+)', output.splitlines()[-1])]
+  assert abs(large - micro) < 1e-5, output
 
 
 @scripts.run_examples_once_per_version
@@ -100,8 +115,8 @@ def test_every_guide_prints_its_help_and_exits_zero():
   """absl exits 1 after --help; the guides (run_guide.run) exit 0."""
   guides = sorted(name for name in os.listdir(os.path.join(scripts.TOOLS,
                                                            'examples'))
-                  if name.endswith('_example.py') or name == 'bert_porting.py')
-  assert len(guides) >= 14, guides
+                  if name.endswith(('_example.py', '_porting.py')))
+  assert len(guides) >= 15, guides
   # Two at a time: each imports TensorFlow, which takes a few seconds.
   running = []
   for guide, flag in [(guide, '--help') for guide in guides] + [

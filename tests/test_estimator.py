@@ -357,3 +357,145 @@ def test_ported_bert_under_tpu_estimator_resumes_mid_cycle(tmp_path, use_tpu):
   # round-off in a near-zero gradient shows up to ~2e-6 (lr 0.05).
   training.assert_same_training([weights(whole)], [weights(large)],
                                 atol=1e-5)
+
+
+# ---------------------------------------- once per update: moving averages --
+
+def _averaged_model_fn(grad_steps, use_tpu=False, tpu_spec=False,
+                       host_calls=None):
+  """A model_fn with a moving average of the weights after its train op:
+  the bare optimizer's as models write it, the wrapper's once per update
+  (test_once_per_update.averaged). Evaluation reads the averages, as
+  upstream image models do (`ema.variables_to_restore()`). With
+  `host_calls`, a TPUEstimatorSpec's host_call appends the counters it is
+  handed on each micro-step to that list."""
+  import test_once_per_update  # pylint: disable=g-import-not-at-top
+
+  def model_fn(features, labels, mode, params=None):
+    del params
+    loss, variables = models.model_loss(features, labels)
+    if mode == tf.compat.v1.estimator.ModeKeys.EVAL:
+      ema = tf.compat.v1.train.ExponentialMovingAverage(
+          test_once_per_update.DECAY)
+      saver = tf.compat.v1.train.Saver(ema.variables_to_restore())
+      return tf.compat.v1.estimator.EstimatorSpec(
+          mode, loss=loss, scaffold=tf.compat.v1.train.Scaffold(saver=saver))
+    optimizer = models.OPTIMIZERS['Momentum'](None)
+    if grad_steps:
+      optimizer = deferred_grad.GradientAggregationOptimizer(
+          optimizer, grad_steps, use_tpu=use_tpu)
+    train_op = optimizer.minimize(
+        loss, global_step=tf.compat.v1.train.get_global_step())
+    train_op = test_once_per_update.averaged()(optimizer, train_op, variables)
+    if not tpu_spec:
+      return tf.compat.v1.estimator.EstimatorSpec(mode, loss=loss,
+                                                  train_op=train_op)
+    host_call = None
+    if host_calls is not None:
+      def record(*counters):
+        return tf.compat.v1.py_func(
+            lambda *values: host_calls.append(
+                [int(v.reshape(-1)[0]) for v in values]) or np.int64(0),
+            counters, tf.int64, stateful=True)
+      counters = [optimizer.applied_updates(), optimizer.micro_step_in_cycle(),
+                  tf.cast(optimizer.applies_update(), tf.int64)]
+      host_call = (record, [tf.reshape(c, [1]) for c in counters])
+    return tf.compat.v1.estimator.tpu.TPUEstimatorSpec(
+        mode, loss=loss, train_op=train_op, host_call=host_call)
+
+  return model_fn
+
+
+def _expected_averages(examples, replicas=1):
+  """numpy's moving average of the large batch's weights after the last
+  update, and the eval loss on the first micro-batch with those averages.
+
+  Args:
+    examples: the micro-batches in order, a large batch every `replicas *
+      GRAD_STEPS`.
+    replicas: the replicas that each take a micro-batch per micro-step.
+  """
+  import test_once_per_update  # pylint: disable=g-import-not-at-top
+  bare = training.Trainer(models.OPTIMIZERS['Momentum'])
+  rows = replicas * GRAD_STEPS * models.MICRO_BATCH
+  with bare.session() as session:
+    initial = session.run(bare.variables)
+    weights = []
+    for cycle in range(CYCLES):
+      part = slice(cycle * rows, (cycle + 1) * rows)
+      bare.micro_step(session, examples[0][part], examples[1][part])
+      weights.append(session.run(bare.variables))
+    averages = test_once_per_update.numpy_moving_average(initial, weights)
+    session.run([tf.compat.v1.assign(bare.variables[name], value)
+                 for name, value in averages[-1].items()])
+    loss = session.run(bare.loss, dict(zip(
+        bare.inputs, [part[:models.MICRO_BATCH] for part in examples])))
+  return averages[-1], loss
+
+
+def _estimator_averages(estimator):
+  return {name: estimator.get_variable_value(name + '/ExponentialMovingAverage')
+          for name in VARIABLES}
+
+
+def test_estimator_moving_average_is_the_large_batch_s(tmp_path, use_tpu):
+  """And evaluation that restores the averages into the weights evaluates
+  the large batch's averaged model."""
+  examples = _examples(CYCLES * GRAD_STEPS, models.MICRO_BATCH)
+  expected, eval_loss = _expected_averages(examples)
+  for grad_steps, batch in ((None, GRAD_STEPS * models.MICRO_BATCH),
+                            (GRAD_STEPS, models.MICRO_BATCH)):
+    estimator = tf.compat.v1.estimator.Estimator(
+        _averaged_model_fn(grad_steps, use_tpu),
+        config=_run_config(str(tmp_path / str(grad_steps))), params={})
+    estimator.train(_input_fn(examples, batch),
+                    max_steps=CYCLES * GRAD_STEPS // (batch //
+                                                      models.MICRO_BATCH))
+    training.assert_same_training([_estimator_averages(estimator)],
+                                  [expected])
+    evaluated = estimator.evaluate(_input_fn(examples, models.MICRO_BATCH),
+                                   steps=1)
+    np.testing.assert_allclose(evaluated['loss'], eval_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize('iterations_per_loop', [1, GRAD_STEPS])
+def test_tpu_estimator_moving_average_and_host_call_counters(
+    tmp_path, use_tpu, iterations_per_loop):
+  """TPUEstimator(use_tpu=False): the average is the large batch's, and the
+  host_call is handed the counters' values before each micro-step."""
+  examples = _examples(CYCLES * GRAD_STEPS, models.MICRO_BATCH)
+  expected, _ = _expected_averages(examples)
+  host_calls = []
+  tpu = tf.compat.v1.estimator.tpu
+  estimator = tpu.TPUEstimator(
+      _averaged_model_fn(GRAD_STEPS, use_tpu, tpu_spec=True,
+                         host_calls=host_calls),
+      config=tpu.RunConfig(
+          model_dir=str(tmp_path / 'tpu'), save_summary_steps=None,
+          log_step_count_steps=10**6,
+          tpu_config=tpu.TPUConfig(iterations_per_loop=iterations_per_loop)),
+      train_batch_size=models.MICRO_BATCH, use_tpu=False)
+  estimator.train(_input_fn(examples, models.MICRO_BATCH),
+                  max_steps=CYCLES * GRAD_STEPS)
+  training.assert_same_training([_estimator_averages(estimator)], [expected])
+  assert host_calls == [[step // GRAD_STEPS, step % GRAD_STEPS,
+                         int(step % GRAD_STEPS == GRAD_STEPS - 1)]
+                        for step in range(CYCLES * GRAD_STEPS)]
+
+
+def test_estimator_under_mirrored_strategy_moving_average(tmp_path):
+  """train_distribute: a wrapper and an average per replica (the model_fn
+  runs on each), each replica taking its own micro-batch."""
+  replicas = 2
+  examples = _examples(replicas * CYCLES * GRAD_STEPS, models.MICRO_BATCH)
+  expected, _ = _expected_averages(examples, replicas)
+  strategy = tf.distribute.MirroredStrategy(
+      ['/cpu:0', '/cpu:1'],
+      cross_device_ops=tf.distribute.ReductionToOneDevice())
+  estimator = tf.compat.v1.estimator.Estimator(
+      _averaged_model_fn(GRAD_STEPS),
+      config=_run_config(str(tmp_path / 'mirrored'),
+                         train_distribute=strategy), params={})
+  estimator.train(_input_fn(examples, models.MICRO_BATCH),
+                  max_steps=CYCLES * GRAD_STEPS)
+  training.assert_same_training([_estimator_averages(estimator)], [expected])

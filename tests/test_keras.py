@@ -21,13 +21,9 @@ import tensorflow as tf
 
 import behavior  # pylint: disable=unused-import
 import deferred_grad
+import models
 
-if tf.__version__.startswith('2.15.'):
-  keras = tf.keras
-else:
-  keras = pytest.importorskip(
-      'tf_keras', reason='Keras 2 on TensorFlow %s is the tf_keras package: '
-      'pip install tf_keras==%s' % (tf.__version__, tf.__version__))
+keras = models.keras2()
 
 GRAD_STEPS, MICRO_BATCH, CYCLES_PER_EPOCH, EPOCHS = 4, 8, 3, 2
 INPUT_DIM, OUTPUT_DIM = 5, 2

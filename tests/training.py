@@ -34,6 +34,9 @@ class Trainer(object):
       `micro_batch_weight` (e.g. models.token_weight).
     scope: None, or a name scope to call `minimize` in (a canned head's,
       where optimizers name their non-slot variables).
+    after_minimize: None, or a function of (optimizer, train op, {name:
+      variable}) returning the op to run instead of the train op: what a
+      model attaches after it (a moving average, see test_once_per_update).
     **wrapper_kwargs: passed to `GradientAggregationOptimizer`.
   """
 
@@ -47,6 +50,7 @@ class Trainer(object):
                device=None,
                weight_fn=None,
                scope=None,
+               after_minimize=None,
                **wrapper_kwargs):
     self.micro_steps = 1 if grad_steps is None else grad_steps
     self.graph = tf.Graph()
@@ -73,6 +77,9 @@ class Trainer(object):
       with tf.compat.v1.name_scope(scope):
         self.train_op = self.optimizer.minimize(
             loss, global_step=self.global_step if use_global_step else None)
+      if after_minimize is not None:
+        self.train_op = after_minimize(self.optimizer, self.train_op,
+                                       self.variables)
       self.init_op = tf.compat.v1.global_variables_initializer()
 
   def session(self):
@@ -114,12 +121,14 @@ class MirroredTrainer(Trainer):
   `model_fn` under `train_distribute` does; its weight is a tensor of that
   replica's inputs. `optimizer` is then the first replica's. `schedule`
   'tensor' or 'callable' gives the wrapper `grad_steps` as such a schedule
-  of the same constant value.
+  of the same constant value. `after_minimize` (see `Trainer`) is called
+  in the replica function.
   """
 
   def __init__(self, make_optimizer, grad_steps, use_global_step=True,
                model='mlp', model_kwargs=None, weight_fn=None,
-               wrapper_per_replica=False, schedule=None, **wrapper_kwargs):
+               wrapper_per_replica=False, schedule=None, after_minimize=None,
+               **wrapper_kwargs):
     # pylint: disable=super-init-not-called
     self.micro_steps = grad_steps
     self.graph = tf.Graph()
@@ -160,9 +169,12 @@ class MirroredTrainer(Trainer):
                   *self._replica_inputs())
             optimizer = make_wrapper()
             self.optimizer = self.optimizer or optimizer
-          return optimizer.minimize(
+          train_op = optimizer.minimize(
               loss / REPLICAS,
               global_step=self.global_step if use_global_step else None)
+          if after_minimize is not None:
+            train_op = after_minimize(optimizer, train_op, variables)
+          return train_op
 
         self.train_op = self.strategy.group(
             self.strategy.extended.call_for_each_replica(replica_step))
