@@ -920,9 +920,10 @@ def _check_no_summary_made(before, maker='The wrapped optimizer'):
         'update (GradientAggregationOptimizer applies only at the end of a '
         'cycle): there a summary cannot be fetched on the other micro-steps '
         'nor merged (merge_all, which Estimator and MonitoredTrainingSession '
-        'run, would fail). Make the summary outside: of the learning rate '
-        'tensor before passing it to the optimizer, or of a variable that '
-        'the ops run once per update assign.' % (maker, made))
+        'run, would fail). Make the summary outside minimize and '
+        'once_per_update: of the learning rate tensor before passing it to '
+        'the optimizer, or of a variable that the ops run once per update '
+        'assign.' % (maker, made))
 
 
 def _listed_as_train_op(train_op, before):
