@@ -14,7 +14,7 @@ from deferred_grad.checkpoints import Saver
 from deferred_grad.distribute import collective_barrier
 from deferred_grad.distribute import collective_run_options
 from deferred_grad.optimizer import GradientAggregationOptimizer
-from deferred_grad.cycle import applied_updates
+from deferred_grad.records import applied_updates
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 __version__ = '0.1.0'

@@ -9,17 +9,17 @@ calls with values:
 * `add(gradients, length, finite)`: the micro-step's op adding
   `gradient / length` to each (none where `finite` is False);
 * `read()`: the cycle's sums, for the apply step, as a `Read`;
-* `reset(after, read)`: empties them for the next cycle, after `after`.
+* `reset(after)`: empties them for the next cycle, after `after`.
 
-One kind per kind of gradient sits behind it:
+One kind per kind of gradient sits behind it, all with `add`, `read` and
+`reset`:
 
 * `DenseAccumulator`: a slot of the wrapped optimizer shaped like its
-  variable (`<variable>/GradientAccumulator`), added to, read and zeroed in
-  place, one kernel each, their handles batched (`compat.handles`);
-  `ShardedAccumulator` adds through the XLA sharding rule (`sharding`).
-  Also a table's where shapes must be static (inside XLA: its rows
-  scatter-added, the whole handed on, as the original did) or where it is
-  asked for (`sparse_as_dense`).
+  variable (`<variable>/GradientAccumulator`), added to and zeroed in
+  place, one kernel each; `ShardedAccumulator` adds through the XLA
+  sharding rule (`sharding`). Also a table's where shapes must be static
+  (inside XLA: its rows scatter-added, the whole handed on, as the
+  original did) or where it is asked for (`sparse_as_dense`).
 * `RowListAccumulator`: a table's (sparse gradients, `tf.IndexedSlices`)
   wherever shapes may change: the rows looked up, each beside its id, so
   that memory follows the rows a cycle looks up, not the table (one
@@ -29,12 +29,12 @@ One kind per kind of gradient sits behind it:
   the micro-step's own gradients.
 
 Two costs shape the kernels, each measured with `tools/benchmark`: on many
-small variables a step costs the ops the executor schedules (about a
-microsecond each on a 2-core CPU), so an add is one kernel (SGD's, with
-rate -1/length) and the handles and reads are one op per device; and the
-accumulators are as large as the parameters, so no buffer as large as them
-is kept: zeros are made at run time (`run_time_zeros`), and a large
-accumulator is zeroed in its own buffer (`_zero`).
+small variables a step costs the ops the executor schedules (a few
+microseconds each on a 2-core CPU), so an add is one kernel (SGD's, with
+rate -1/length, the rate one op for all of a dtype); and the accumulators
+are as large as the parameters, so no buffer as large as them is kept:
+zeros are made at run time (`run_time_zeros`), and a large accumulator is
+zeroed in its own buffer (`_zero`).
 """
 
 import collections
@@ -80,10 +80,9 @@ def run_time_zeros(shape, dtype=tf.float32, partition_info=None):
   return tf.fill(shape, zero)
 
 
-def _add(variable, value, scale, handle):
+def _add(variable, handle, value, scale):
   """variable += scale * value, in place, in one kernel (SGD's, rate
-  -scale): no temporary. `handle`: a batched one (`compat.handles`), or
-  None for a ref variable."""
+  -scale): no temporary. `handle`: the variable's, None for a ref one."""
   if handle is None:
     return tf.raw_ops.ApplyGradientDescent(var=variable, alpha=-scale,
                                            delta=value).op
@@ -91,14 +90,7 @@ def _add(variable, value, scale, handle):
                                                  delta=value)
 
 
-def _handle(variable, handle):
-  """`handle`, else `variable`'s own (None for a ref variable)."""
-  if handle is None and not compat.is_ref_variable(variable):
-    return variable.handle
-  return handle
-
-
-def _zero(variable, shared_zeros, handle, in_xla):
+def _zero(variable, handle, shared_zeros, in_xla):
   """Sets every element of `variable` to zero in its own buffer; the op.
 
   A small variable (at most `SHARED_ZEROS_MAX_BYTES`) is assigned zeros
@@ -110,14 +102,14 @@ def _zero(variable, shared_zeros, handle, in_xla):
   the accumulators). A scatter switches a resource variable to copy-on-read
   mode, in which every later dense read copies it; `DisableCopyOnRead`
   switches it back. Inside XLA, which updates in place by itself, and for a
-  variable without rows, a plain assign.
+  variable without rows, a plain assign. `handle`: the variable's, None for
+  a ref variable.
   """
   dtype = variable.dtype.base_dtype
   if not variable.shape.rank or in_xla:
     return variable.assign(run_time_zeros(tf.shape(variable), dtype),
                            read_value=False)
   shape = variable.shape
-  handle = _handle(variable, handle)
   if (shape.is_fully_defined() and
       shape.num_elements() * dtype.size <= SHARED_ZEROS_MAX_BYTES):
     key = (tuple(shape.as_list()), dtype, variable.device)
@@ -130,7 +122,8 @@ def _zero(variable, shared_zeros, handle, in_xla):
                                        value=shared_zeros[key])
   rows = tf.compat.dimension_value(shape[0])
   if rows is None:  # known at run time only: read where the variable is
-    rows = compat.variable_shape(variable)[0]
+    rows = (tf.shape(variable, out_type=tf.int64) if handle is None else
+            tf.raw_ops.VariableShape(input=handle, out_type=tf.int64))[0]
   with tf.device(compat.host_device(variable.device)):
     # On the host, as shapes are, and at run time: a folded constant of row
     # ids would stay for the session's life (8 bytes a row).
@@ -165,66 +158,60 @@ class DenseAccumulator(object):
   Args:
     slot: the accumulator variable.
     local: this replica's component of it (the slot itself without one).
+    handle: `local`'s resource handle, None for a ref variable.
     in_xla: built inside an XLA computation.
   """
 
-  in_place = True  # added, read and zeroed by batched handles
   shared = False  # each replica its own
 
-  def __init__(self, slot, local, in_xla=False):
+  def __init__(self, slot, local, handle, in_xla=False):
     self.slot = slot
     self.local = local
+    self._handle = handle
     self._in_xla = in_xla
 
-  def add(self, gradient, scale, handle):
-    """accumulator += scale * gradient (scale: 1/length, in its dtype).
+  def add(self, gradient, length, scale):
+    """accumulator += scale * gradient (`scale`: 1/`length` in its dtype).
 
     A table's rows (an IndexedSlices) inside XLA are scatter-added: the cost
     follows the rows looked up; elsewhere (sparse_as_dense) densified."""
+    del length
     dtype = self.local.dtype.base_dtype
     if isinstance(gradient, tf.IndexedSlices) and self._in_xla:
-      return tf.raw_ops.ResourceScatterAdd(
-          resource=_handle(self.local, handle), indices=gradient.indices,
-          updates=tf.cast(gradient.values, dtype) * scale)
-    checks = []  # a table's, densified (sparse_as_dense): see `check_dense`
-    if isinstance(gradient, tf.IndexedSlices):
-      checks = [check_dense(self.local)]
-    with tf.control_dependencies(checks):
-      gradient = _dense(gradient, dtype)
-    return _add(self.local, gradient, scale, handle)
+      return self.local.scatter_add(tf.IndexedSlices(
+          tf.cast(gradient.values, dtype) * scale, gradient.indices)).op
+    return _add(self.local, self._handle, _dense(gradient, dtype), scale)
 
   def read(self):
-    """The cycle's sum (read by the batched read, `Accumulators.read`)."""
+    """The cycle's sum."""
     return self.local.read_value()
 
-  def reset(self, after, gradient, shared_zeros, handle):
+  def reset(self, after, shared_zeros):
     """Zeroes the accumulator in place once `after` has run; the op."""
-    del gradient
     with tf.control_dependencies([after]):
-      return _zero(self.local, shared_zeros, handle, self._in_xla)
+      return _zero(self.local, self._handle, shared_zeros, self._in_xla)
 
 
 class ShardedAccumulator(DenseAccumulator):
   """A dense accumulator whose reads carry the XLA sharding rule.
 
   Args:
-    slot, local, in_xla: as `DenseAccumulator`'s.
+    slot, local, handle, in_xla: as `DenseAccumulator`'s.
     num_partitions: `xla_num_partitions`.
     rows: a table's inside XLA: its rows are scatter-added (the micro-steps
       read nothing) and the apply step's read carries the rule.
   """
 
-  in_place = False
-
-  def __init__(self, slot, local, in_xla, num_partitions, rows=False):
-    super(ShardedAccumulator, self).__init__(slot, local, in_xla)
+  def __init__(self, slot, local, handle, in_xla, num_partitions,
+               rows=False):
+    super(ShardedAccumulator, self).__init__(slot, local, handle, in_xla)
     self._num_partitions = num_partitions
     self._rows = rows
 
-  def add(self, gradient, length, handle=None):
+  def add(self, gradient, length, scale):
     """accumulator = sharded(accumulator) + gradient / length (a table's
     rows: scatter-added)."""
-    del handle
+    del scale
     dtype = self.local.dtype.base_dtype
     if self._rows:
       return self.local.scatter_add(tf.IndexedSlices(
@@ -306,8 +293,9 @@ def _recorded_length(row, dtype):
                     tf.int64)
 
 
-def check_dense(variable):
-  """An op that makes sure `variable`, a dense table accumulator, is dense.
+def dense_after_restore(variable):
+  """An op that makes `variable`, a dense table accumulator, dense again
+  after a restore (`checkpoints.Saver` runs it; the micro-step does not).
 
   A restore takes any shape into a resource variable (that of a ref
   variable fails on another shape), and a checkpoint written with
@@ -316,18 +304,15 @@ def check_dense(variable):
   list of rows fails loudly (a dense kernel would add ids and all).
 
   Returns:
-    The op, to run before the accumulator is used.
+    The op, or None where no restore can leave another shape.
   """
-  if compat.is_ref_variable(variable):
-    return tf.no_op()  # a ref variable's restore checks the shape itself
-  if not variable.shape.is_fully_defined():
-    return tf.no_op()  # a table of unknown shape never had a list of rows
+  if compat.is_ref_variable(variable) or not variable.shape.is_fully_defined():
+    return None
   shape = tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)
   static = variable.shape.as_list()
-  name = variable.op.name.split('/replica_')[0]
+  dtype = variable.dtype.base_dtype
 
   def from_list():
-    dtype = variable.dtype.base_dtype
     row = tf.raw_ops.ResourceGather(resource=variable.handle, indices=[0],
                                     dtype=dtype)
     empty = tf.debugging.Assert(tf.logical_and(
@@ -337,15 +322,15 @@ def check_dense(variable):
             'mid-cycle with sparse_as_dense=False; with sparse_as_dense=True '
             '(and inside XLA) a table is accumulated densely. Resume that '
             'checkpoint as it was written, or from one written at a cycle\'s '
-            'end.' % name)])
+            'end.' % variable.op.name.split('/replica_')[0])])
     with tf.control_dependencies([empty]):
       # Not `assign`, which checks the shape the restore changed.
       return tf.raw_ops.AssignVariableOp(
           resource=variable.handle, validate_shape=False,
-          value=run_time_zeros(static, variable.dtype.base_dtype))
+          value=run_time_zeros(static, dtype))
 
   is_dense = tf.reduce_all(tf.equal(shape, tf.constant(static, tf.int64)))
-  return compat.cond(is_dense, tf.no_op, from_list)
+  return tf.cond(is_dense, tf.no_op, from_list)
 
 
 class RowListAccumulator(object):
@@ -373,13 +358,19 @@ class RowListAccumulator(object):
   large batch's gradient holds them, also a row whose sum is exactly zero
   (a masked padding id); the reset sets n to 0.
 
-  A restored dense accumulator (the original's) becomes the list of its
-  non-zero rows at the next micro-step. Under a multi-replica strategy in
-  one process the replicas share one list: each replica's micro-step only
-  packs its rows (`rows`), appended in replica order where they meet
-  (`append`); the first replica hands the cycle's rows on, the others an
-  empty `IndexedSlices`, and the wrapped optimizer's all-reduce adds them
-  up. A checkpoint holds the list as one process's would. Across workers
+  A restored dense accumulator (the original's, which a plain Saver
+  restores here too) becomes the list of its non-zero rows at the next
+  micro-step: the list's state, read on every micro-step for its room,
+  tells the two apart by their columns. Under a multi-replica strategy in
+  one process the replicas share one list, the first component of a
+  mirrored variable (the one a checkpoint saves; writing every component
+  alike cost 9-12% a micro-step on tables of 100k rows and more): each
+  replica's micro-step only packs its rows (`rows`), appended in replica
+  order where they meet (`append`); the first replica hands the cycle's
+  rows on, the others an empty `IndexedSlices`, and the wrapped optimizer's
+  all-reduce adds them up. A checkpoint holds the list as one process's
+  would; a restore copies it into the other components too, which nothing
+  reads. Across workers
   each replica keeps its own list (a component of a mirrored variable): the
   workers' all-reduce gathers slices that must keep one length from run to
   run, so the apply step pads the list's rows to the most a cycle looks up
@@ -389,10 +380,10 @@ class RowListAccumulator(object):
     slot: the list variable, of unknown static row count (`_list_of_rows`).
     variable: the table (or one partition of it).
     dtype: the accumulator's dtype.
+    handle: `slot`'s resource handle, None for a ref variable.
     lists: the variables its micro-steps write, the first read: [slot]; or
       this replica's component of a mirrored `slot` (its own, across
-      workers); or every component (a shared list, mirrored where public
-      APIs alone are used).
+      workers); or its first component (a list the replicas share).
     replica: None where the list is this replica's alone; else this
       replica's index, among replicas that share the list.
     cycle_rows: across workers, the most rows a cycle looks up where known
@@ -401,9 +392,7 @@ class RowListAccumulator(object):
     across_workers: whether the apply step pads its rows (see above).
   """
 
-  in_place = False
-
-  def __init__(self, slot, variable, dtype, lists=None, replica=None,
+  def __init__(self, slot, variable, dtype, handle, lists=None, replica=None,
                cycle_rows=None, across_workers=False):
     self.slot = slot
     self._lists = list(lists or [slot])
@@ -416,6 +405,7 @@ class RowListAccumulator(object):
     self._columns = list_columns(variable, dtype)
     self._cycle_rows = cycle_rows
     self._across_workers = across_workers
+    self._ref = handle is None
 
   def _pack(self, ids, rows):
     ids = tf.reshape(tf.bitcast(ids, self._dtype), [-1, self._id_columns])
@@ -434,9 +424,8 @@ class RowListAccumulator(object):
                       tf.zeros([1, self._columns - self._id_columns],
                                self._dtype))
 
-  @staticmethod
-  def _gather(listed, indices):
-    if compat.is_ref_variable(listed):
+  def _gather(self, listed, indices):
+    if self._ref:
       # A read made here, in this cond: not the variable's snapshot, which
       # may run before a rebuild in the same run and keep the old buffer.
       return tf.gather(listed.read_value(), indices)
@@ -447,10 +436,10 @@ class RowListAccumulator(object):
 
     Not a list: a dense accumulator that a restore put there (n is then
     meaningless)."""
-    if compat.is_ref_variable(listed):  # see _gather
+    if self._ref:  # see _gather
       shape = tf.shape(listed.read_value(), out_type=tf.int64)
     else:
-      shape = compat.variable_shape(listed)
+      shape = tf.raw_ops.VariableShape(input=listed.handle, out_type=tf.int64)
     is_list = tf.logical_and(tf.equal(tf.size(shape), 2),
                              tf.equal(shape[-1], self._columns))
     length = _recorded_length(self._gather(listed, [0]), self._dtype)
@@ -467,16 +456,14 @@ class RowListAccumulator(object):
         is_list, lambda: self._gather(listed, tf.range(1, length + 1)),
         from_dense)
 
-  @staticmethod
-  def _assign(listed, value):
-    if compat.is_ref_variable(listed):
+  def _assign(self, listed, value):
+    if self._ref:
       return tf.compat.v1.assign(listed, value, validate_shape=False).op
     return listed.assign(value, read_value=False)
 
-  @staticmethod
-  def _scatter(listed, indices, rows):
+  def _scatter(self, listed, indices, rows):
     """Writes `rows` at `indices`, in place; returns the op."""
-    if compat.is_ref_variable(listed):
+    if self._ref:
       return tf.compat.v1.scatter_update(listed, indices, rows).op
     return listed.scatter_update(tf.IndexedSlices(rows, indices)).op
 
@@ -485,8 +472,9 @@ class RowListAccumulator(object):
     rows = _divided(tf.cast(gradient.values, self._dtype), length)
     return self._pack(ids_of(gradient), rows)
 
-  def add(self, gradient, length):
+  def add(self, gradient, length, scale=None):
     """Appends the rows looked up (/ `length`); shared: see `append`."""
+    del scale
     if self.shared:
       return tf.no_op()
     return self.append([self.rows(gradient, length)])
@@ -551,9 +539,9 @@ class RowListAccumulator(object):
     rows = tf.reshape(rows, [-1] + self._dense_shape[1:].as_list())
     return tf.IndexedSlices(rows, ids, dense_shape)
 
-  def reset(self, after, gradient, shared_zeros=None, handle=None):
+  def reset(self, after, shared_zeros=None):
     """Empties the list once `after` has run (keeping its room); the op."""
-    del gradient, shared_zeros, handle
+    del shared_zeros
     with tf.control_dependencies([after]):
       if not self._first:
         return tf.no_op()
@@ -570,11 +558,10 @@ class RowListAccumulator(object):
 
 # ------------------------------------------------------ one train op's --
 
-# What `read` returns: the cycle's sums; for `reset`, the handles the
-# in-place kernels used ({index: handle}); and per sum, whether this replica
+# What `read` returns: the cycle's sums, and per sum whether this replica
 # holds all of the sum over replicas or none of it (a table's list that the
 # replicas share), for clipping by the global norm.
-Read = collections.namedtuple('Read', ['gradients', 'handles', 'whole'])
+Read = collections.namedtuple('Read', ['gradients', 'whole'])
 
 
 class Accumulators(object):
@@ -586,12 +573,6 @@ class Accumulators(object):
 
   def __init__(self, accumulators):
     self._accumulators = list(accumulators)
-
-  def _handles(self):
-    """{index: handle} of the in-place kinds (`compat.handles`)."""
-    indices = [i for i, a in enumerate(self._accumulators) if a.in_place]
-    found = compat.handles([self._accumulators[i].local for i in indices])
-    return dict(zip(indices, found))
 
   def add(self, gradients, length, finite=None):
     """Adds each `gradient / length` to its accumulator.
@@ -606,25 +587,19 @@ class Accumulators(object):
       out: they are appended where the replicas meet, `append_shared`).
     """
     def add_all():
-      handles = self._handles()
       scales = {}  # 1/length in each dtype: one op for all of a dtype
       added = []
-      for index, (accumulator, gradient) in enumerate(
-          zip(self._accumulators, gradients)):
-        if accumulator.in_place:
-          dtype = accumulator.local.dtype.base_dtype
-          if dtype not in scales:
-            scales[dtype] = (tf.constant(1.0 / length, dtype)
-                             if isinstance(length, int) else
-                             tf.math.reciprocal(tf.cast(length, dtype)))
-          added.append(accumulator.add(gradient, scales[dtype],
-                                       handles[index]))
-        else:
-          added.append(accumulator.add(gradient, length))
+      for accumulator, gradient in zip(self._accumulators, gradients):
+        dtype = accumulator.local.dtype.base_dtype
+        if dtype not in scales:
+          scales[dtype] = (tf.constant(1.0 / length, dtype)
+                           if isinstance(length, int) else
+                           tf.math.reciprocal(tf.cast(length, dtype)))
+        added.append(accumulator.add(gradient, length, scales[dtype]))
       return tf.group(*added, name='accumulate')
 
     added = add_all() if finite is None else compat.cond(finite, add_all,
-                                                         tf.no_op)
+                                                     tf.no_op)
     return added, self._shared_rows(gradients, length, finite)
 
   def _shared_rows(self, gradients, length, finite):
@@ -659,23 +634,13 @@ class Accumulators(object):
 
     Returns:
       A `Read`: the sums in the order of the variables (tensors, or
-      `tf.IndexedSlices` for tables), the handles the reads used, and per
-      sum whether this replica holds all of it.
+      `tf.IndexedSlices` for tables), and per sum whether this replica
+      holds all of it.
     """
-    indices = [i for i, a in enumerate(self._accumulators) if a.in_place]
-    found, read_values = compat.read(
-        [self._accumulators[i].local for i in indices])
-    handles = dict(zip(indices, found))
-    values = dict(zip(indices, read_values))
-    gradients = []
-    for index, accumulator in enumerate(self._accumulators):
-      if index in values:
-        gradients.append(values[index])
-      else:
-        gradients.append(accumulator.read())
-    return Read(gradients, handles, [a.shared for a in self._accumulators])
+    return Read([a.read() for a in self._accumulators],
+                [a.shared for a in self._accumulators])
 
-  def reset(self, after, read):
+  def reset(self, after):
     """An op emptying each accumulator after `after`, one after another.
 
     One at a time: a reset's transients (zeros inside XLA, a table's zero
@@ -683,7 +648,6 @@ class Accumulators(object):
 
     Args:
       after: the op (the wrapped optimizer's apply) that must run first.
-      read: what `read` returned.
 
     Returns:
       An op.
@@ -691,10 +655,8 @@ class Accumulators(object):
     previous = after
     resets = []
     shared_zeros = {}  # small accumulators' zeros, one per shape
-    for index, (accumulator, gradient) in enumerate(
-        zip(self._accumulators, read.gradients)):
-      previous = accumulator.reset(previous, gradient, shared_zeros,
-                                   read.handles.get(index))
+    for accumulator in self._accumulators:
+      previous = accumulator.reset(previous, shared_zeros)
       resets.append(previous)
     return tf.group(*resets)
 
@@ -738,11 +700,10 @@ class PassThrough(object):
     """
     gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
                  and not self._sparse else g for g in self._gradients]
-    return Read(gradients, {}, [False] * len(gradients))
+    return Read(gradients, [False] * len(gradients))
 
-  def reset(self, after, read):
+  def reset(self, after):
     """Nothing to reset. Returns: `after`."""
-    del read
     return after
 
 
@@ -767,7 +728,8 @@ def _slot_name(opt, variable, owner, graph):
 
 
 def _create_slot(opt, variable, dtype, owner):
-  """Creates (or finds) `variable`'s accumulator slot, owned by `opt`.
+  """Creates (or finds) `variable`'s accumulator slot, owned by `opt`;
+  returns (the slot, whether this call made it).
 
   The slot belongs to the wrapped optimizer, as in the original, so that it
   is saved as `<variable name>/GradientAccumulator` (a partition's as its
@@ -780,6 +742,7 @@ def _create_slot(opt, variable, dtype, owner):
   """
   # pylint: disable=protected-access
   slot_name, op_name = _slot_name(opt, variable, owner, variable.graph)
+  made = opt.get_slot(variable, slot_name) is None
   if variable.shape.is_fully_defined():
     slot = opt._get_or_make_slot_with_initializer(
         variable, run_time_zeros, variable.shape, dtype, slot_name, op_name)
@@ -790,11 +753,12 @@ def _create_slot(opt, variable, dtype, owner):
     raise ValueError(
         'accumulator_dtype=%s needs variables of known shape; %s has shape '
         '%s.' % (dtype.name, variable.name, variable.shape))
-  slot.graph.add_to_collection(_OWNERS, (slot, owner))
-  return slot
+  if made:
+    slot.graph.add_to_collection(_OWNERS, (slot, owner))
+  return slot, made
 
 
-def _list_of_rows(variable, columns, dtype, owner, how):
+def _list_of_rows(variable, columns, dtype, owner, mirrored):
   """`variable`'s list of rows for the train op `owner` (made once).
 
   Not a slot of the wrapped optimizer: a slot of a partition inherits its
@@ -808,11 +772,9 @@ def _list_of_rows(variable, columns, dtype, owner, how):
     variable: the table (or one partition of it).
     columns: the list's columns (`list_columns`).
     dtype: its dtype.
-    owner: the train op's record (`cycle.TrainOpState`).
-    how: 'own' (one replica: beside the table); 'one' (one plain variable
-      that the replicas share, on the table's host, by a private creator:
-      `compat.one_variable_creator`); 'mirrored' (the strategy's variable,
-      a component per replica).
+    owner: the train op's record (`record.Record`).
+    mirrored: under a multi-replica strategy: the strategy's variable, a
+      component per replica (else beside the table).
 
   Returns:
     (the variable, of no static row count, whether this call made it).
@@ -822,15 +784,11 @@ def _list_of_rows(variable, columns, dtype, owner, how):
     return owner.lists[key], False
   with contextlib.ExitStack() as stack:
     stack.enter_context(tf.compat.v1.name_scope(None))
-    if how == 'own':
-      stack.enter_context(tf.compat.v1.colocate_with(variable))
-    elif how == 'one':
-      stack.enter_context(tf.compat.v1.variable_creator_scope(
-          compat.one_variable_creator(compat.host_device(variable.device))))
-    if how == 'mirrored':
+    if mirrored:
       # A static initial value: across workers the chief broadcasts it.
       initial = lambda: tf.zeros([1, columns], dtype)
     else:
+      stack.enter_context(tf.compat.v1.colocate_with(variable))
       initial = lambda: empty_list(columns, dtype)
     owner.lists[key] = tf.compat.v1.Variable(
         initial, dtype=dtype, name=variable.op.name + '/' + SLOT_OP_NAME,
@@ -861,19 +819,19 @@ def _cycle_rows(gradient, owner):
 
 
 def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
-           in_xla=False, local=None, multi_worker=False):
+           in_xla=False, local=None, multi_worker=False, replica=None):
   """A replica's `Accumulators` for the (gradient, variable) pairs.
 
   Call it under `tf.init_scope()`. Under a multi-replica strategy each
   replica calls it: each replica adds into its own component of each dense
-  accumulator (saved as their sum, `distribute.summed_on_save`); in one
+  accumulator (saved as their sum: `distribute.summed_on_save`); in one
   process the replicas share a table's list of rows, across workers each
   keeps its own.
 
   Args:
     opt: the wrapped optimizer, which owns the slots.
     grads_and_vars: the (gradient, variable) pairs.
-    owner: the train op's record (`cycle.TrainOpState`).
+    owner: the train op's record (`record.Record`).
     sparse: accumulate an IndexedSlices gradient row by row (else densely).
     dtype: `accumulator_dtype`, or None.
     num_partitions: `xla_num_partitions`, or None.
@@ -881,6 +839,7 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
     local: None, or a `distribute.WorkerLocal` (variables on parameter
       servers): the accumulators are then the worker's own, not slots.
     multi_worker: under a multi-worker strategy.
+    replica: this replica's index where a strategy has several, else None.
 
   Returns:
     An `Accumulators`.
@@ -892,17 +851,7 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
       dtype wider than 8 bytes) outside XLA with `sparse_as_dense=False`.
   """
   strategy = tf.distribute.get_strategy()
-  replica = None  # this replica's index, where there are several
-  if strategy.num_replicas_in_sync > 1:
-    replica = int(tf.get_static_value(
-        tf.distribute.get_replica_context().replica_id_in_sync_group))
-  # How a table's list is kept: see `_list_of_rows`.
-  if replica is None or local is not None:
-    how = 'own'
-  elif multi_worker or compat.one_variable_creator('') is None:
-    how = 'mirrored'
-  else:
-    how = 'one'
+  mirrored = replica is not None and local is None  # a table's list
   specs = []
   for gradient, variable in grads_and_vars:
     own_dtype = dtype or variable.dtype.base_dtype
@@ -917,53 +866,59 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
               variable.name, variable.shape, own_dtype.name))
     specs.append(('list' if table else 'dense', gradient, variable, own_dtype,
                   columns))
-  with (distribute.summed_on_save(strategy, multi_worker) if replica is not None
-        else contextlib.nullcontext()):
-    dense = {i: _variable(opt, owner, local, how, *spec)
+  summed = replica is not None and not multi_worker
+  with (tf.compat.v1.variable_creator_scope(distribute.summed_on_save)
+        if summed else contextlib.nullcontext()):
+    dense = {i: _variable(opt, owner, local, mirrored, *spec)
              for i, spec in enumerate(specs) if spec[0] == 'dense'}
   # Lists are not sums over replicas (a mirrored one's components are
   # alike, or each replica's own across workers): made outside that scope.
-  made = [dense[i] if i in dense else _variable(opt, owner, local, how, *spec)
+  made = [dense[i] if i in dense else
+          _variable(opt, owner, local, mirrored, *spec)
           for i, spec in enumerate(specs)]
   slots = [slot for slot, _ in made]
-  checkpoints.add_to_state([slot for slot, new in made
-                            if new and local is None])
-  lists = [(slot, spec[2]) for (slot, new), spec in zip(made, specs)
-           if new and spec[0] == 'list' and local is None]
-  if lists:  # an object-based checkpoint's restore handed the wrapped
-    # optimizer their values (they show as its slots `grad_accum`)
-    compat.restore_slot_variables(opt, [(slot_name_of(slot), variable, slot)
-                                        for slot, variable in lists])
+  saved = [(slot, spec) for (slot, new), spec in zip(made, specs)
+           if new and local is None]
+  if saved:  # (under a strategy: by the replica that made them)
+    checkpoints.add_to_state([slot for slot, _ in saved])
+  lists = [(slot, spec[2]) for slot, spec in saved if spec[0] == 'list']
   for slot, variable in lists:
+    # An object-based checkpoint's restore handed the wrapped optimizer its
+    # value (it shows as the optimizer's slot `grad_accum`).
+    opt._restore_slot_variable(slot_name_of(slot), variable, slot)  # pylint: disable=protected-access
     spec = checkpoints.slice_spec(variable)
     if spec:  # a partition: the original kept slices of one accumulator
       checkpoints.add_source(slot, checkpoints.save_name(variable) + '/' +
                              slot.op.name.rsplit('/', 1)[-1], spec)
   accumulators = []
-  for slot, local_slot, (kind, gradient, variable, own_dtype, _) in zip(
-      slots, compat.local_variables(slots), specs):
-    if kind == 'list' and how == 'mirrored' and multi_worker:
+  local_slots = compat.local_variables(slots)
+  for slot, local_slot, handle, (kind, gradient, variable, own_dtype, _) in (
+      zip(slots, local_slots, compat.handles(local_slots), specs)):
+    if kind == 'list':
+      if not mirrored:
+        lists_written, shared_by = [slot], None
+      elif multi_worker:  # each replica its own component
+        lists_written, shared_by = [local_slot], None
+      else:  # the replicas share the list: its first component holds it
+        lists_written = strategy.experimental_local_results(slot)[:1]
+        shared_by = replica
       accumulators.append(RowListAccumulator(
-          slot, variable, own_dtype, [local_slot],
-          cycle_rows=_cycle_rows(gradient, owner), across_workers=True))
-    elif kind == 'list' and how == 'mirrored':  # every component alike
-      accumulators.append(RowListAccumulator(
-          slot, variable, own_dtype,
-          strategy.experimental_local_results(slot), replica))
-    elif kind == 'list':
-      accumulators.append(RowListAccumulator(
-          slot, variable, own_dtype,
-          replica=replica if how == 'one' else None))
-    elif num_partitions is None:
-      accumulators.append(DenseAccumulator(slot, local_slot, in_xla))
+          slot, variable, own_dtype, handle, lists_written, shared_by,
+          cycle_rows=_cycle_rows(gradient, owner) if multi_worker else None,
+          across_workers=mirrored and multi_worker))
+      continue
+    if isinstance(gradient, tf.IndexedSlices) and local is None:
+      checkpoints.add_restore_fixup(dense_after_restore(local_slot))
+    if num_partitions is None:
+      accumulators.append(DenseAccumulator(slot, local_slot, handle, in_xla))
     else:
       accumulators.append(ShardedAccumulator(
-          slot, local_slot, in_xla, num_partitions,
+          slot, local_slot, handle, in_xla, num_partitions,
           rows=in_xla and isinstance(gradient, tf.IndexedSlices)))
   return Accumulators(accumulators)
 
 
-def _variable(opt, owner, local, how, kind, gradient, variable, dtype,
+def _variable(opt, owner, local, mirrored, kind, gradient, variable, dtype,
               columns):
   """(the accumulator's variable, whether this call made it)."""
   del gradient
@@ -976,5 +931,5 @@ def _variable(opt, owner, local, how, kind, gradient, variable, dtype,
     return local.variable(name, lambda: run_time_zeros(shape, dtype),
                           dtype), True
   if kind == 'list':
-    return _list_of_rows(variable, columns, dtype, owner, how)
-  return _create_slot(opt, variable, dtype, owner), True
+    return _list_of_rows(variable, columns, dtype, owner, mirrored)
+  return _create_slot(opt, variable, dtype, owner)

@@ -32,6 +32,9 @@ def check_positive_int(value, arg_name):
   return int(value)
 
 
+NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
+AGGREGATIONS = ('mean', 'sum')
+
 _GRAD_STEPS_EXPECTED = (
     'grad_steps must be a positive int, a scalar integer tensor or a callable '
     'of the number of updates applied (an int64 tensor) returning one')
@@ -41,7 +44,7 @@ def check_grad_steps(grad_steps):
   """Returns `grad_steps` as an int, or as a schedule (a tensor or callable).
 
   An int (also a numpy integer) keeps the original's fixed cycle; a tensor
-  or a callable is a schedule, read once per cycle (see `cycle.Schedule`).
+  or a callable is a schedule, read once per cycle (see `records.Schedule`).
 
   Args:
     grad_steps: the constructor's argument.

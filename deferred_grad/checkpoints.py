@@ -32,7 +32,6 @@ The records live in graph collections under tuple keys, as TensorFlow's
 variable store does: they are not serialized into meta graphs.
 """
 
-import inspect
 import re
 
 from deferred_grad import compat
@@ -49,6 +48,7 @@ _STATE = ('deferred_grad', 'state')  # the wrapper's state variables
 _ALIASES = ('deferred_grad', 'aliases')  # (variable, bare name, others)
 _SOURCES = ('deferred_grad', 'sources')  # (variable, key, slice spec)
 _SETTINGS = ('deferred_grad', 'settings')  # `record_settings`' records
+_FIXUPS = ('deferred_grad', 'restore_fixups')  # ops run after a restore
 
 
 def add_to_state(variables):
@@ -64,6 +64,20 @@ def add_to_state(variables):
     state = variable.graph.get_collection_ref(_STATE)
     if not any(variable is known for known in state):
       state.append(variable)
+
+
+def add_restore_fixup(op):
+  """Records an op that `Saver.restore` runs after every restore.
+
+  For what a checkpoint written under other settings leaves in the wrong
+  form (`accumulators.dense_after_restore`): converted once, at restore,
+  not checked on every micro-step.
+
+  Args:
+    op: the op, or None (nothing to record).
+  """
+  if op is not None:
+    op.graph.add_to_collection(_FIXUPS, op)
 
 
 def state_variables(graph):
@@ -288,8 +302,8 @@ def create_wrapped_slots(opt, var_list, scopes, wrapper):
     opt._create_slots(var_list)
   new = [(key, variable) for (key, _), variable in opt._non_slot_dict.items()
          if id(variable) not in before]
-  if new:
-    compat.handle_deferred_dependencies(wrapper, new)
+  for key, variable in new:  # restored (object-based) before they were made
+    wrapper._handle_deferred_dependencies(name=key, trackable=variable)
   for _, variable in new:
     name = variable.op.name
     if not name.startswith(scope):
@@ -302,49 +316,22 @@ def create_wrapped_slots(opt, var_list, scopes, wrapper):
 def register_default_saver(graph):
   """Makes a `Saver` the graph's default saver, unless it has one.
 
-  MonitoredTrainingSession (its Scaffold) and Estimator save with the
-  saver in `tf.compat.v1.GraphKeys.SAVERS`, and make a plain one where the
-  collection is empty. This one is made as they would make theirs (sharded,
-  relative paths, built when the session is made), with the
-  `keep_checkpoint_max` and `keep_checkpoint_every_n_hours` of the
-  Estimator that builds the graph, if one does (else the 5 newest kept).
+  MonitoredTrainingSession (its Scaffold), Estimator and Supervisor save
+  with the saver in `tf.compat.v1.GraphKeys.SAVERS`, and make a plain one
+  where the collection is empty. This one is made as they would make theirs
+  (sharded, relative paths, built when the session is made, the 5 newest
+  kept: RunConfig's default). A model_fn is not handed an Estimator's saver
+  settings by any public API; one that sets `keep_checkpoint_max` returns
+  its own (README "Checkpoints").
 
   Args:
     graph: the `tf.Graph` of the train op.
   """
-  if graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
-    return
-  config = _estimator_config()
-  kept = {} if config is None else dict(
-      max_to_keep=config.keep_checkpoint_max,
-      keep_checkpoint_every_n_hours=config.keep_checkpoint_every_n_hours)
-  graph.add_to_collection(
-      tf.compat.v1.GraphKeys.SAVERS,
-      Saver(sharded=True, allow_empty=True, defer_build=True,
-            save_relative_paths=True, **kept))
-
-
-def _estimator_config():
-  """The `RunConfig` of the Estimator whose `train` is building this train
-  op, or None.
-
-  A model_fn (a canned one too) is not handed an Estimator's saver
-  settings, and the Estimator makes its own saver from them only where the
-  graph has none: its public `config` is read where it is, on the call
-  stack.
-  """
-  frame = inspect.currentframe()
-  try:
-    while frame is not None:
-      owner = frame.f_locals.get('self')
-      if any(kind.__name__ == 'Estimator' and
-             kind.__module__.startswith('tensorflow_estimator')
-             for kind in type(owner).__mro__):
-        return owner.config
-      frame = frame.f_back
-    return None
-  finally:
-    del frame  # no reference cycle through the frames
+  if not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
+    graph.add_to_collection(
+        tf.compat.v1.GraphKeys.SAVERS,
+        Saver(sharded=True, allow_empty=True, defer_build=True,
+              save_relative_paths=True))
 
 
 class _Restore(object):
@@ -421,6 +408,7 @@ class Saver(tf.compat.v1.train.Saver):
 
   def __init__(self, *args, **kwargs):
     self._built_when_read = False
+    self._exporting = False
     super(Saver, self).__init__(*args, **kwargs)
     self._graph_made_in = tf.compat.v1.get_default_graph()
     self._built_when_read = self._built_def is None  # defer_build
@@ -435,19 +423,28 @@ class Saver(tf.compat.v1.train.Saver):
   def saver_def(self):
     """The `SaverDef` (see `tf.compat.v1.train.Saver`); builds a deferred
     saver on first read, unless its graph is finalized or it is exported."""
-    reader = inspect.currentframe().f_back
-    try:
-      exporting = (reader is not None and reader.f_code is
-                   tf.compat.v1.train.Saver.to_proto.__code__)
-    finally:
-      del reader
-    if not exporting:
+    if not self._exporting:
       self._build_if_deferred()
     return self._built_def
 
   @saver_def.setter
   def saver_def(self, value):
     self._built_def = value
+
+  def to_proto(self, export_scope=None):
+    """As `tf.compat.v1.train.Saver.to_proto`, building nothing.
+
+    Args:
+      export_scope: as `tf.compat.v1.train.Saver.to_proto`.
+
+    Returns:
+      A `SaverDef` proto (None where it is not built, as the plain one).
+    """
+    self._exporting = True
+    try:
+      return super(Saver, self).to_proto(export_scope)
+    finally:
+      self._exporting = False
 
   def _build_if_deferred(self):
     """Builds a deferred saver not built yet, unless its graph is final."""
@@ -475,6 +472,7 @@ class Saver(tf.compat.v1.train.Saver):
     self._built_when_read = False  # the base build reads saver_def
     graph = tf.compat.v1.get_default_graph()
     self._settings = list(graph.get_collection(_SETTINGS))
+    self._fixups = list(graph.get_collection(_FIXUPS))
     restored = self._var_list
     if restored is None or isinstance(restored, (list, tuple)):
       if restored is None:
@@ -607,6 +605,10 @@ class Saver(tf.compat.v1.train.Saver):
     return None
 
   def _check_settings(self, sess, save_path, keys, afresh):
+    """Converts what the restore left in another form, then checks the
+    settings (`_check_settings`)."""
+    if getattr(self, '_fixups', None):
+      sess.run(self._fixups)
     records = getattr(self, '_settings', [])
     now = sess.run([tensor for _, tensor, _, _ in records]) if records else []
     _check_settings(records, now, save_path, keys, afresh)

@@ -11,8 +11,6 @@ session began mid-way (`MidCycleRestart`). On parameter-server workers
 (`worker_local`) the state is the worker's own.
 """
 
-import contextlib
-
 from deferred_grad import compat
 
 tf = compat.import_tensorflow()
@@ -65,42 +63,34 @@ def collective_barrier(strategy=None):
   return strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
 
 
-@contextlib.contextmanager
-def summed_on_save(strategy, multi_worker):
-  """Per-replica variables created inside are saved as their sum.
+def summed_on_save(next_creator, **kwargs):
+  """A variable creator: per-replica variables saved as their sum.
 
   Under a multi-replica strategy each replica adds its own micro-batches into
   its own accumulator, and what the apply step needs is their sum over
   replicas. A mirrored variable would save replica 0's part only, so a job
   stopped mid-cycle would resume with every replica holding replica 0's
-  part. Created inside this context, the accumulators (and the per-replica
-  counts of a cycle) are sync-on-read variables with SUM aggregation:
-  TensorFlow saves the sum over replicas under the variable's usual name,
-  and a restore gives each replica an equal share of it, which sums to the
-  same. Micro-steps still touch only their replica's own part.
+  part. Created under `tf.compat.v1.variable_creator_scope(summed_on_save)`,
+  the accumulators (and the per-replica counts of a cycle) are sync-on-read
+  variables with SUM aggregation: TensorFlow saves the sum over replicas
+  under the variable's usual name, and a restore gives each replica an
+  equal share of it, which sums to the same. Micro-steps still touch only
+  their replica's own part.
 
   Where the replicas span several workers, a save would be a collective that
   only the saving worker (the chief) runs: there the variables stay mirrored
-  (see tools/examples/multi_worker_example.py).
+  (see tools/examples/multi_worker_example.py), and this is not used.
 
   Args:
-    strategy: the current strategy.
-    multi_worker: whether its replicas span several workers.
+    next_creator: the next variable creator.
+    **kwargs: the variable's arguments.
 
-  Yields:
-    Nothing.
+  Returns:
+    The variable.
   """
-  if strategy.num_replicas_in_sync == 1 or multi_worker:
-    yield
-    return
-
-  def on_read_sum(next_creator, **kwargs):
-    kwargs['synchronization'] = tf.VariableSynchronization.ON_READ
-    kwargs['aggregation'] = tf.VariableAggregation.SUM
-    return next_creator(**kwargs)
-
-  with tf.compat.v1.variable_creator_scope(on_read_sum):
-    yield
+  kwargs['synchronization'] = tf.VariableSynchronization.ON_READ
+  kwargs['aggregation'] = tf.VariableAggregation.SUM
+  return next_creator(**kwargs)
 
 
 def of_fixed_length(gradient, length):
@@ -218,7 +208,7 @@ class MidCycleRestart(object):
     """An op marking a session's first micro-step if it is mid-cycle.
 
     Args:
-      position: the micro-step's `cycle.Position`.
+      position: the micro-step's `records.Position`.
 
     Returns:
       An op (a warning printed and the cycle marked as dropped, where it is

@@ -3,8 +3,8 @@
 The algorithm reads top to bottom from `apply_gradients`, one micro-step:
 
 1. check the arguments; the train op's record and its accumulators, made
-   once for all replicas (`cycle`, `accumulators`);
-2. take the run's lock and read the cycle's `Position`, first (`cycle`);
+   once for all replicas (`records`, `accumulators`);
+2. take the run's lock and read the cycle's `Position`, first (`records`);
 3. the micro-step on each replica: check (finite?), weigh, add, count;
 4. one decision, a `tf.cond` on the cycle's end: the GPU path decides after
    a `merge_call` into the cross-replica context, the TPU path in the
@@ -14,14 +14,20 @@ The algorithm reads top to bottom from `apply_gradients`, one micro-step:
    cycle's gradient (its factor made in one function, `_factor`) and reset;
 6. advance: count the micro-step, release the lock.
 
-What a cycle applies is decided by a few pure functions of the counts
-(`Policy`, `_increments`, `_should_apply`, `_factor`), as optax's
-`skip_not_finite`. The mechanics are one call away, called with values and
-returning values: `accumulators` (the cycle's sums), `cycle` (the train
-op's record: its position, counters, lock), `distribute` (where replicas
-and workers meet), `checkpoints` (names, `deferred_grad.Saver`),
-`arguments` (checks) and `compat` (TensorFlow's private names, each with a
-public fallback).
+The GPU path is the original's: each replica's wrapped `apply_gradients`
+all-reduces inside the apply step, so replicas talk only on the micro-steps
+that apply. The TPU path decides inside the replica, where an XLA
+computation keeps the whole step. What a cycle applies is decided by a few
+pure functions of the counts (`Policy`, `_increments`,
+`_should_apply`, `_factor`), as optax's `skip_not_finite`. What a model
+runs once per update beside the train op hangs on the same decision
+(`once_per_update`).
+
+The mechanics are one call away, called with values and returning values:
+`accumulators` (the cycle's sums), `records` (the train op's record: its
+cycle, counters, lock), `distribute` (where replicas and workers meet),
+`checkpoints` (names, `deferred_grad.Saver`), `arguments` (checks) and
+`compat` (TensorFlow versions, the two private names kept).
 """
 
 import collections
@@ -30,8 +36,8 @@ from deferred_grad import accumulators as accumulators_lib
 from deferred_grad import arguments
 from deferred_grad import checkpoints
 from deferred_grad import compat
-from deferred_grad import cycle
 from deferred_grad import distribute
+from deferred_grad import records
 
 tf = compat.import_tensorflow()
 # Entry points that user code reaches are never converted by AutoGraph (a
@@ -39,30 +45,28 @@ tf = compat.import_tensorflow()
 # package's Python control flow is graph building, not computation.
 _not_converted = tf.autograph.experimental.do_not_convert
 
-NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
-AGGREGATIONS = ('mean', 'sum')
 # The counts a cycle keeps per replica, by their variables' names.
 GOOD, NONFINITE, WEIGHT = ('good_micro_batches', 'nonfinite_micro_batches',
                            'micro_batch_weights')
 
 
 class Policy(collections.namedtuple(
-    'Policy', ['nonfinite_policy', 'aggregation', 'weighted'])):
+    'Policy', ['nonfinite_policy', 'aggregation', 'weighted', 'counts'])):
   """The keywords that decide what a cycle applies (plain values).
 
-  Fields: `nonfinite_policy` (one of NONFINITE_POLICIES), `aggregation`
-  (one of AGGREGATIONS), `weighted` (micro-steps carry a weight).
+  Fields: `nonfinite_policy` (one of `arguments.NONFINITE_POLICIES`),
+  `aggregation` (one of `arguments.AGGREGATIONS`), `weighted` (micro-steps
+  carry a weight), and `counts`: the names of the per-replica counts a
+  cycle keeps for them, in the order of its counts' vector.
   """
-
-  POLICIES = NONFINITE_POLICIES
 
   @classmethod
   def checked(cls, nonfinite_policy, aggregation, weighted):
     """The policy of the constructor's keywords.
 
     Args:
-      nonfinite_policy: one of NONFINITE_POLICIES.
-      aggregation: one of AGGREGATIONS.
+      nonfinite_policy: one of `arguments.NONFINITE_POLICIES`.
+      aggregation: one of `arguments.AGGREGATIONS`.
       weighted: whether a `micro_batch_weight` was given.
 
     Returns:
@@ -72,26 +76,22 @@ class Policy(collections.namedtuple(
       ValueError: `nonfinite_policy` or `aggregation` is not one of its
         choices (the message names the keyword and the value).
     """
-    return cls(
-        arguments.check_choice(nonfinite_policy, NONFINITE_POLICIES,
-                               'nonfinite_policy'),
-        arguments.check_choice(aggregation, AGGREGATIONS, 'aggregation'),
-        weighted)
-
-  @property
-  def counts(self):
-    """The names of the per-replica counts a cycle keeps, in vector order."""
-    names = (GOOD, NONFINITE) if self.nonfinite_policy else ()
-    return names + ((WEIGHT,) if self.weighted else ())
+    arguments.check_choice(nonfinite_policy, arguments.NONFINITE_POLICIES,
+                           'nonfinite_policy')
+    arguments.check_choice(aggregation, arguments.AGGREGATIONS, 'aggregation')
+    counts = ((GOOD, NONFINITE) if nonfinite_policy else ()) + (
+        (WEIGHT,) if weighted else ())
+    return cls(nonfinite_policy, aggregation, weighted, counts)
 
 
 class ReplicaPart(object):
   """One replica's part of one train op: what its apply step needs.
 
-  Not a tuple: a `merge_call` hands each replica's on whole (PerReplica).
+  An object, not a tuple: `merge_call` hands the cross-replica context one
+  value per replica for each argument, and would take a tuple apart.
 
   Args and attributes:
-    state: the train op's record (`cycle.TrainOpState`, shared by the
+    record: the train op's record (`records.Record`, shared by the
       replicas).
     var_list: the variables.
     accumulators: their `accumulators.Accumulators` (or `PassThrough`).
@@ -100,9 +100,9 @@ class ReplicaPart(object):
     shared_rows: its rows of tables whose list the replicas share, by index.
   """
 
-  def __init__(self, state, var_list, accumulators, gradients, increments,
+  def __init__(self, record, var_list, accumulators, gradients, increments,
                shared_rows):
-    self.state = state
+    self.record = record
     self.var_list = list(var_list)
     self.accumulators = accumulators
     self.gradients = gradients
@@ -211,7 +211,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                                                        name=name)
     self._opt = opt
     self._grad_steps = grad_steps
-    # The records of the train ops built (`cycle.TrainOpState`): their
+    # The records of the train ops built (`records.Record`): their
     # counters, and the names of the ops that end their runs.
     self._records = []
     self.strategy = tf.distribute.get_strategy()
@@ -351,32 +351,32 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     if not callable(fn):
       raise TypeError('once_per_update(train_op, fn): fn must be a callable '
                       'that makes the ops and returns them, got %r.' % (fn,))
-    state = self._record(train_op)
+    record = self._record(train_op)
     context = tf.distribute.get_replica_context()
     if context is None or self._use_tpu:  # here, as the TPU path decides
-      return _after_update(train_op, state.updated, fn)
+      return _after_update(train_op, record.updated, fn)
 
     def across_replicas(distribution, train_op, fn):
       first = distribution.experimental_local_results
-      return _after_update(first(train_op)[0], state.updated, first(fn)[0])
+      return _after_update(first(train_op)[0], record.updated, first(fn)[0])
 
     return context.merge_call(across_replicas, args=(train_op, fn))
 
   def _record(self, train_op, any_graph=False):
-    """The record (`cycle.TrainOpState`) of `train_op` in this graph."""
+    """The record (`records.Record`) of `train_op` in this graph."""
     graph = _outermost_graph()
-    records = [state for state in self._records
-               if state.position is not None and
-               state.position.in_cycle.graph is graph]
-    if any_graph and not records:
-      records = self._records
-    if not records:
+    built = [record for record in self._records
+             if record.position is not None and
+             record.position.in_cycle.graph is graph]
+    if any_graph and not built:
+      built = self._records
+    if not built:
       raise ValueError(
           'No train op has been built with this wrapper in this graph yet: '
           'call minimize or apply_gradients first. (For a learning rate, '
           'pass a callable: it is called as the train op is built.)')
     if train_op is None:
-      return records[-1]
+      return built[-1]
     # The op, or a group of it (`tf.group` nests its control inputs; a
     # train op's own inputs are not searched).
     found, seen = [], set()
@@ -386,9 +386,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       if op.name in seen:
         continue
       seen.add(op.name)
-      owners = [state for state in records if op.name in state.op_names]
-      found.extend(state for state in owners
-                   if all(state is not f for f in found))
+      owners = [record for record in built if op.name in record.op_names]
+      found.extend(record for record in owners
+                   if all(record is not f for f in found))
       if not owners:
         pending.extend(op.control_inputs)
     if len(found) == 1:
@@ -470,50 +470,51 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         self._apply_crs_to_grad,
         self._accumulator_dtype if accumulates else None)
     var_list = [v for _, v in present]
-    strategy = tf.distribute.get_strategy()
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    replica = 0 if replica_context is None else int(tf.get_static_value(
+        replica_context.replica_id_in_sync_group) or 0)
+    on_other_jobs = _on_other_jobs(var_list)
+    counts_dtype = _counts_dtype(var_list, self._accumulator_dtype)
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
-    multi_worker = strategy.num_replicas_in_sync > 1 and (
-        compat.in_multi_worker_mode(strategy))
+    multi_worker = replicas > 1 and compat.in_multi_worker_mode(
+        tf.distribute.get_strategy())
     # Where the wrapped optimizer's non-slot variables go, found before the
     # name scope opens (`name` changes op names only); checkpoints restore
     # across settings (see `checkpoints`).
     scopes = checkpoints.prepare(accumulates)
     with tf.compat.v1.name_scope(name, self._name) as scope:
       # Variables on parameter servers: the state is the worker's own.
-      local = (distribute.worker_local(var_list)
-               if _on_other_jobs(var_list) else None)
+      local = distribute.worker_local(var_list) if on_other_jobs else None
       # Sparse or dense is fixed at graph build, from the gradients' types;
       # a cross-replica sum needs the same shape on every core: dense.
       sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
-      policy = self._policy
       with tf.init_scope():
-        state = cycle.train_op_state(
-            replica_context, self._grad_steps, accumulates,
-            (policy.nonfinite_policy, policy.weighted, policy.counts,
-             NONFINITE_POLICIES),
-            self._use_tpu or global_step is None or local is not None,
-            global_step, local, _counts_dtype(var_list,
-                                              self._accumulator_dtype),
-            multi_worker)
+        record = records.of_train_op(
+            replica, self._grad_steps, self._policy,
+            own_counter=self._use_tpu or global_step is None or (
+                local is not None),
+            global_step=global_step, local=local, counts_dtype=counts_dtype,
+            multi_worker=multi_worker)
         if accumulates:  # each train op its own (see `accumulators`)
           accumulators = accumulators_lib.create(
-              self._opt, present, state, sparse, self._accumulator_dtype,
-              self._xla_num_partitions, in_xla, local, multi_worker)
+              self._opt, present, record, sparse, self._accumulator_dtype,
+              self._xla_num_partitions, in_xla, local, multi_worker,
+              replica if replicas > 1 else None)
         else:
           accumulators = accumulators_lib.PassThrough(sparse)
-      if not any(state is known for known in self._records):
-        self._records.append(state)
-        if state.counters:  # restored (object-based) before they were made
-          compat.handle_deferred_dependencies(
-              self, [(v.op.name, v) for v in state.counters])
+      if record not in self._records:  # (a wrapper per replica: each)
+        self._records.append(record)
+        for counter in record.counters:  # restored (object-based) already
+          self._handle_deferred_dependencies(name=counter.op.name,
+                                             trackable=counter)
 
       # 2. The run's lock and the cycle's position, first: runs of this
       # train op from several threads take turns (not inside XLA, where no
       # mutex compiles, nor where workers run in lockstep anyway).
       locked = accumulates and not (in_xla or multi_worker)
-      initialized = (distribute.initialized_check(local, state.variables())
+      initialized = (distribute.initialized_check(local, record.variables())
                      if local is not None else [])
-      lock, position = state.begin_run(locked, initialized)
+      lock, position = record.begin_run(locked, initialized)
 
       # 3. This replica's micro-step: check, weigh, add, count. A micro-step
       # that fails a check changes nothing: every write waits for them.
@@ -531,7 +532,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                                             else []))
         gradients = _weigh(gradients, weight)
         increments = _increments(self._policy, finite, weight,
-                                 state.counts_dtype)
+                                 record.counts_dtype)
         with tf.control_dependencies(checks):
           if finite is not None:  # a cond's branches wait for its predicate
             finite = tf.identity(finite)
@@ -541,8 +542,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                                            finite)
         with tf.control_dependencies([added]):
           micro_step = tf.group(
-              added, *(state.add_counts(increments) if increments else []))
-        part = ReplicaPart(state, var_list, accumulators, gradients,
+              added, *(record.add_counts(increments) if increments else []))
+        part = ReplicaPart(record, var_list, accumulators, gradients,
                            increments, shared)
 
       # 4. The decision: the TPU path in the replica, the GPU path (the
@@ -579,16 +580,15 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       The micro-step's op, which ends by counting it.
     """
     parts = _parts(distribution, part)
-    state = parts[0].state
+    record = parts[0].record
     if distribution is not None and parts[0].shared_rows:
       with tf.control_dependencies(micro_steps):  # the replicas' shared rows
         micro_steps = list(micro_steps) + parts[0].accumulators.append_shared(
             [p.shared_rows for p in parts])
     # Under a multi-worker strategy, a session begun mid-cycle drops it.
     restart = distribute.MidCycleRestart() if multi_worker else None
-    marks = [restart.check(state.position)] if restart is not None else []
-    # The branch where the wrapped optimizer updates reads its variables
-    # by handles of its own (`compat.cond`).
+    marks = [restart.check(record.position)] if restart is not None else []
+    # Whether the apply step decides, in a cond of its own, if it applies.
     decides = (self._policy.nonfinite_policy or restart is not None or (
         self._policy.weighted and self._policy.aggregation == 'mean'))
     summaries = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
@@ -596,7 +596,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     def apply_step():
       op, decision = self._apply_step(distribution, part, restart,
                                       multi_worker)
-      if decides or not isinstance(state.position.is_end, bool):  # in a cond
+      if decides or not isinstance(record.position.is_end, bool):  # in a cond
         _check_no_summary_made(summaries)
       # Out of the cond: whether this run applied an update (a policy or a
       # dropped cycle may end a cycle applying nothing): `once_per_update`.
@@ -605,12 +605,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                            name='updated')
 
     with tf.control_dependencies(list(micro_steps) + marks):
-      updated = compat.cond(
-          state.position.is_end, apply_step, lambda: tf.constant(False),
-          [] if decides else self._updated(parts[0].var_list))
-    state.updated = updated
-    op = state.advance(state.position, updated)  # 6.
-    state.op_names.append(op.name)
+      updated = compat.cond(record.position.is_end, apply_step,
+                            lambda: tf.constant(False))
+    record.updated = updated
+    op = record.advance(record.position, updated)  # 6.
+    record.op_names.append(op.name)
     return op
 
   def _apply_step(self, distribution, part, restart, multi_worker):
@@ -623,15 +622,15 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     policy = self._policy
     parts = _parts(distribution, part)
-    state = parts[0].state
-    length = state.position.length
+    record = parts[0].record
+    length = record.position.length
     # Where workers follow one schedule, its length travels with the counts.
     agree = multi_worker and not isinstance(self._grad_steps, int)
     totals, replicas, checks = {}, (distribution.num_replicas_in_sync if
                                     distribution is not None else 1), []
     if policy.counts or agree:
       def replica_counts(p):
-        counts = p.state.counts_of_cycle(p.increments)
+        counts = p.record.counts_of_cycle(p.increments)
         if agree:
           counts.append(tf.cast(length, counts[0].dtype if counts else
                                 tf.float32))
@@ -653,12 +652,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     if decision is None:
       return on_each(True), None
     applied = compat.cond(decision, lambda: on_each(True),
-                          lambda: on_each(False),
-                          self._updated(parts[0].var_list))
+                          lambda: on_each(False))
     if not policy.nonfinite_policy:
       return applied, decision
     with tf.control_dependencies([applied]):
-      return tf.group(applied, *state.count_skipped(
+      return tf.group(applied, *record.count_skipped(
           (tf.cast(tf.round(totals[NONFINITE]), tf.int64),
            1 - tf.cast(decision, tf.int64)))), decision
 
@@ -688,19 +686,12 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                    for g, v in zip(gradients, part.var_list)]
       done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
     resets = []
-    if part.state.counts:
+    if part.record.counts:
       with tf.control_dependencies([done]):
-        resets = part.state.reset_counts()
-    return tf.group(part.accumulators.reset(done, read), *resets)
+        resets = part.record.reset_counts()
+    return tf.group(part.accumulators.reset(done), *resets)
 
   # ------------------------------------------------ the wrapped optimizer --
-
-  def _updated(self, var_list):
-    """The variables the wrapped optimizer updates: `var_list`, its slots."""
-    slots = [self._opt.get_slot(v, name) for name in self._opt.get_slot_names()
-             if not name.startswith(accumulators_lib.SLOT_NAME)
-             for v in var_list]
-    return list(var_list) + [slot for slot in slots if slot is not None]
 
   @_not_converted
   def get_slot(self, var, name):
@@ -714,8 +705,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     Returns:
       The slot variable, or None.
     """
-    for state in self._records:  # a table's list of rows (`accumulators`)
-      listed = state.lists.get(id(var))
+    for record in self._records:  # a table's list of rows (`accumulators`)
+      listed = record.lists.get(id(var))
       if listed is not None and accumulators_lib.slot_name_of(listed) == name:
         return listed
     return self._opt.get_slot(var, name)
@@ -742,22 +733,24 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def _own_children(self):
     """{name: variable}: this graph's counters of the wrapper's train ops."""
     graph = _outermost_graph()
-    return {v.op.name: v for state in self._records
-            for v in state.counters if getattr(v, 'graph', None) is graph}
+    return {v.op.name: v for record in self._records
+            for v in record.counters if getattr(v, 'graph', None) is graph}
 
+  # pylint: disable=protected-access
   def _trackable_children(self, save_type='checkpoint', **kwargs):
-    children = compat.trackable_children(self._opt, save_type, **kwargs)
+    children = dict(self._opt._trackable_children(save_type, **kwargs))
     children.update(self._own_children())
     return children
 
   def _lookup_dependency(self, name, cached_dependencies=None):
-    found = compat.lookup_dependency(self._opt, name, cached_dependencies)
+    found = self._opt._lookup_dependency(name, cached_dependencies)
     return found if found is not None else self._own_children().get(name)
 
   def _create_or_restore_slot_variable(self, slot_variable_position,
                                        slot_name, variable):
-    compat.create_or_restore_slot_variable(
-        self._opt, slot_variable_position, slot_name, variable)
+    self._opt._create_or_restore_slot_variable(slot_variable_position,
+                                               slot_name, variable)
+  # pylint: enable=protected-access
 
   @_not_converted
   def variables(self):
@@ -770,8 +763,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """
     variables = list(self._opt.variables())
     graph = _outermost_graph()
-    for state in self._records:
-      variables.extend(own for own in state.variables()
+    for record in self._records:
+      variables.extend(own for own in record.variables()
                        if getattr(own, 'graph', None) is graph)
     return sorted(variables, key=lambda v: v.name)
 

@@ -2,10 +2,9 @@
 
 The levers of `tools/benchmark --suites=memory,step`, pinned: accumulators
 start as run-time zeros and are zeroed in their own buffer (memory); a
-micro-step runs a bare step's ops plus a few whatever the number of
-variables, an apply step a few per variable, and the cycle's `tf.cond`
-runs only the branch taken (time, which on many small variables is the
-number of ops the executor schedules).
+micro-step and an apply step run a few ops per variable beyond a bare
+step's (time, which on many small variables is the number of ops the
+executor schedules).
 """
 
 import numpy as np
@@ -14,7 +13,6 @@ import tensorflow as tf
 
 import deferred_grad
 import models
-import training
 
 GRAD_STEPS = 4
 
@@ -140,83 +138,40 @@ def test_a_step_s_ops_grow_with_the_variables_as_promised(optimizer,
                                                           use_tpu):
   """On many small variables a step's cost is the ops the executor runs.
 
-  A micro-step runs a bare step's ops plus a few, not one more per
-  variable (the accumulators' handles are one op per device: `compat.handles`);
-  control flow v1 lowers the cycle's tf.cond, whose dead tensors pass
-  through the apply branch's ops (two per variable). An apply step
-  runs, per variable, the wrapped optimizer's update and one zeroing op
-  (the handles and reads are one op per device; the apply branch reads the
-  variables and slots by handles it makes: `compat.cond`).
+  A micro-step runs a bare step's ops plus one per variable: the
+  accumulator's handle and add in place of the bare update. Under control
+  flow v1 also a Switch for each variable and slot the cycle's tf.cond
+  reads (v1 lowers it into Switch and Merge ops, which run on every
+  micro-step); a control flow v2 `If` runs as a function, its taken
+  branch only (`compat.cond`). An apply step runs, per variable, the
+  wrapped optimizer's update, the accumulator's read and one zeroing op,
+  and in a function an argument per variable and slot it reads.
   """
   few, many = 4, 40
   (micro_few, apply_few), (micro_many, apply_many) = [
       _extra_ops(optimizer, use_tpu, n) for n in (few, many)]
-  per_variable = 0 if tf.compat.v1.control_flow_v2_enabled() else 2
-  assert micro_many - micro_few <= per_variable * (many - few), (
-      micro_few, micro_many)
-  assert apply_many - apply_few <= 2 * (many - few), (apply_few, apply_many)
-
-
-@pytest.mark.parametrize('optimizer', ['GradientDescent', 'Momentum'])
-def test_the_apply_branch_takes_no_argument_per_variable(optimizer, use_tpu):
-  """The cycle's If passes its arguments on every micro-step, applying or
-  not: the wrapped optimizer's update reads the variables and its slots by
-  handles made in the branch (`compat.cond`)."""
-  if not tf.compat.v1.control_flow_v2_enabled():
-    pytest.skip('control flow v1 has no If: a Switch per tensor read')
-  inputs = []
-  for variables in (4, 40):
-    session, _, _ = _small_variables(GRAD_STEPS, optimizer, use_tpu,
-                                     variables)
-    with session:
-      inputs.append([len(op.inputs) for op in session.graph.get_operations()
-                     if op.type == 'If'])
-  assert inputs[0] == inputs[1], inputs
-  assert len(inputs[0]) == 1 and inputs[0][0] <= 4, inputs
-
-
-def if_lowering(graph):
-  """The `_lower_using_switch_merge` attribute of each `If` op, or None."""
-  values = []
-  for op in graph.get_operations():
-    if op.type == 'If':
-      try:
-        values.append(op.get_attr('_lower_using_switch_merge'))
-      except ValueError:
-        values.append(None)
-  return values
-
-
-def test_cond_runs_as_a_function_on_one_device(use_tpu):
-  graph = training.Trainer(models.sgd, GRAD_STEPS, use_tpu=use_tpu).graph
+  slots = {'GradientDescent': 0, 'Momentum': 1}[optimizer]
   if tf.compat.v1.control_flow_v2_enabled():
-    assert if_lowering(graph) == [False]
+    micro, apply = 1, 5 + slots
   else:
-    assert not if_lowering(graph)  # control flow v1: Switch/Merge
+    micro, apply = 3 + slots, 3
+  assert micro_many - micro_few <= micro * (many - few), (
+      micro_few, micro_many)
+  assert apply_many - apply_few <= apply * (many - few), (apply_few,
+                                                           apply_many)
 
 
-def _handle_batches(device=None, gpu_in_process=False, monkeypatch=None):
-  """The devices of the accumulator handle batches of a 3-variable model."""
-  if gpu_in_process:
-    monkeypatch.setattr(deferred_grad.compat, '_has_gpu', lambda: True)
-  graph = tf.Graph()
-  with graph.as_default(), graph.device(device):
-    ws = [tf.compat.v1.get_variable('w%d' % i, [2], use_resource=True)
-          for i in range(3)]
+def test_the_cycle_s_if_runs_as_a_function():
+  """Unlowered, only the taken branch of the cycle's If runs (where its
+  resources share a device; not under a strategy)."""
+  with tf.Graph().as_default() as graph:
+    w = tf.compat.v1.get_variable('w', [2], use_resource=True)
     deferred_grad.GradientAggregationOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.1), GRAD_STEPS
-    ).minimize(tf.add_n([tf.reduce_sum(w) for w in ws]))
-  # (Control flow v1 builds the apply branch's batch in this graph too.)
-  return {op.device for op in graph.get_operations()
-          if op.type == '_VarHandlesOp'}
-
-
-def test_handles_are_batched_only_where_the_device_is_a_known_cpu(
-    monkeypatch):
-  """A batch finds its variables in its own device's resource manager."""
-  assert _handle_batches() == {''}  # no GPU here: all on this CPU
-  assert _handle_batches('/cpu:0') == {'/device:CPU:0'}
-  assert not _handle_batches('/gpu:0')
-  assert not _handle_batches('/job:worker/task:1')  # maybe another machine
-  # Unplaced, in a process with a GPU: the placer may put them there.
-  assert not _handle_batches(gpu_in_process=True, monkeypatch=monkeypatch)
+    ).minimize(tf.reduce_sum(w * w))
+  lowered = [op.get_attr('_lower_using_switch_merge')
+             for op in graph.get_operations() if op.type == 'If']
+  if tf.compat.v1.control_flow_v2_enabled():
+    assert lowered == [False], lowered
+  else:
+    assert not lowered  # control flow v1: Switch and Merge

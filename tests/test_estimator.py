@@ -159,21 +159,38 @@ def _checkpoints_on_disk(model_dir):
   return sorted(n[:-len('.index')] for n in names if n.endswith('.index'))
 
 
+def _model_fn_with_saver(features, labels, mode, params, config):
+  """`_model_fn`, and README's one line for RunConfig's saver settings: a
+  `deferred_grad.Saver` made with them, handed over in the scaffold."""
+  spec = _model_fn(features, labels, mode, params)
+  saver = deferred_grad.Saver(
+      sharded=True, save_relative_paths=True,
+      max_to_keep=config.keep_checkpoint_max,
+      keep_checkpoint_every_n_hours=config.keep_checkpoint_every_n_hours)
+  return spec._replace(scaffold=tf.compat.v1.train.Scaffold(saver=saver))
+
+
 @pytest.mark.parametrize('keep', [1, 7])
 def test_run_config_decides_the_checkpoints_kept(tmp_path, keep):
-  """The wrapper's default saver keeps the checkpoints RunConfig asks for,
-  as the Estimator's own saver does without the wrapper (5 by default)."""
+  """A model_fn that hands its saver over keeps the checkpoints RunConfig
+  asks for, as the Estimator's own saver does without the wrapper; the
+  wrapper's default saver keeps the 5 newest, RunConfig's default (no
+  public API hands a model_fn's graph the Estimator's settings)."""
   steps = CYCLES * GRAD_STEPS
   examples = _examples(steps, models.MICRO_BATCH)
   kept = {}
-  for grad_steps in (None, GRAD_STEPS):
-    model_dir = str(tmp_path / ('wrapped' if grad_steps else 'bare'))
-    estimator = _estimator(model_dir, grad_steps, save_checkpoints_steps=1,
-                           keep_checkpoint_max=keep)
+  for grad_steps, model_fn in ((None, _model_fn), (GRAD_STEPS, _model_fn),
+                               (GRAD_STEPS, _model_fn_with_saver)):
+    model_dir = str(tmp_path / str(len(kept)))
+    estimator = tf.compat.v1.estimator.Estimator(
+        model_fn, params={'grad_steps': grad_steps, 'use_tpu': False},
+        config=_run_config(model_dir, save_checkpoints_steps=1,
+                           keep_checkpoint_max=keep))
     estimator.train(_input_fn(examples, models.MICRO_BATCH), max_steps=steps)
-    kept[grad_steps] = _checkpoints_on_disk(model_dir)
-  assert len(kept[None]) == keep
-  assert kept[GRAD_STEPS] == kept[None]
+    kept[len(kept)] = _checkpoints_on_disk(model_dir)
+  assert len(kept[0]) == keep
+  assert len(kept[1]) == 5
+  assert kept[2] == kept[0]
 
 
 def test_resume_mid_cycle_equals_uninterrupted(tmp_path, use_tpu):

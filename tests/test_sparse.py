@@ -105,18 +105,23 @@ def test_accumulator_holds_only_the_rows_looked_up(use_tpu):
 def test_replicas_share_one_list_of_the_rows_looked_up():
   """Under MirroredStrategy the table's accumulator is one list, not a
   table-sized variable per replica: each micro-step appends every
-  replica's rows, in replica order (the micro-batch's order here)."""
+  replica's rows, in replica order (the micro-batch's order here), to the
+  mirrored list's first component (what a checkpoint saves); the others
+  keep their empty list."""
   trainer = MirroredTrainer(models.OPTIMIZERS['Adagrad'], GRAD_STEPS,
                             model='embedding')
   accumulator = trainer.optimizer.get_slot(trainer.variables['table'],
                                            'grad_accum')
-  assert not hasattr(accumulator, 'values')  # one variable, not per replica
-  _check_list_of_rows(trainer)
+  components = trainer.strategy.experimental_local_results(accumulator)
+  assert len(components) == training.REPLICAS
+  assert accumulator.shape.rank is None  # a list, of no static shape
+  _check_list_of_rows(trainer, components[:1], components[1:])
 
 
-def _check_list_of_rows(trainer):
+def _check_list_of_rows(trainer, components=(), untouched=()):
   """Runs a cycle: the list holds the rows looked up and their partial sums
-  (against the bare model's gradient); the apply step empties it."""
+  (against the bare model's gradient); the apply step empties it. Each of
+  `components` holds the list alike; each of `untouched` lists no row."""
   accumulator = trainer.optimizer.get_slot(trainer.variables['table'],
                                            'grad_accum')
   bare = Trainer(models.OPTIMIZERS['Adagrad'], model='embedding')
@@ -136,6 +141,11 @@ def _check_list_of_rows(trainer):
           gradient, dict(zip(bare.inputs, batch))) / GRAD_STEPS
       trainer.micro_step(session, *batch)
       listed = session.run(accumulator)
+      for component in session.run(list(components)):
+        np.testing.assert_array_equal(component, listed)
+      for component in session.run(list(untouched)):
+        assert not len(training.listed_rows(component,
+                                            [models.EMBEDDING_DIM])[0])
       ids, _ = training.listed_rows(listed, [models.EMBEDDING_DIM])
       looked_up = np.concatenate([b[0].ravel() for b in
                                   micro_batches[:step + 1]])
@@ -556,8 +566,10 @@ def test_a_mid_cycle_checkpoint_restores_without_the_wrapper(tmp_path):
 def test_a_list_of_rows_restores_into_a_dense_accumulator_at_a_cycle_end(
     steps, tmp_path):
   """A table's list of rows restores into a dense accumulator
-  (sparse_as_dense=True): an empty list (a cycle's end) trains on like the
-  large batch, a list of rows is refused."""
+  (sparse_as_dense=True) with deferred_grad.Saver, which converts it at
+  the restore: an empty list (a cycle's end) trains on like the large
+  batch, a list of rows is refused. A plain Saver leaves the list there,
+  and the first micro-step fails on its shape (never a silent number)."""
   make_optimizer = models.OPTIMIZERS['Momentum']
   path = str(tmp_path / 'model')
   batches = _micro_batches(CYCLES * GRAD_STEPS, models.MICRO_BATCH)
@@ -566,20 +578,23 @@ def test_a_list_of_rows_restores_into_a_dense_accumulator_at_a_cycle_end(
   second = Trainer(make_optimizer, GRAD_STEPS, model='embedding',
                    sparse_as_dense=True)
   with second.graph.as_default(), tf.compat.v1.Session() as session:
-    saver = tf.compat.v1.train.Saver()
     if behavior.BEHAVIOR == 'v1':  # a ref variable checks the shape
       with pytest.raises(tf.errors.InvalidArgumentError,
                          match='Assign requires shapes'):
-        saver.restore(session, path)
+        deferred_grad.Saver().restore(session, path)
       return
-    # A resource variable restores into any shape; the micro-step checks.
-    saver.restore(session, path)
+    # A resource variable restores into any shape.
+    tf.compat.v1.train.Saver().restore(session, path)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+      second.micro_step(session, *batches[steps])
+    saver = deferred_grad.Saver()
     if steps % GRAD_STEPS:
       with pytest.raises(tf.errors.InvalidArgumentError,
                          match='table/GradientAccumulator holds a list of '
                          'the rows looked up'):
-        second.micro_step(session, *batches[steps])
+        saver.restore(session, path)
       return
+    saver.restore(session, path)
     for batch in batches[steps:]:
       second.micro_step(session, *batch)
     resumed = session.run(second.variables)

@@ -96,7 +96,6 @@ def _optimizer(tf):
 def _train_op(tf, variant, model, optimizer, grad_steps):
   """One variant's train op on `model` (`_model`)."""
   import deferred_grad  # pylint: disable=g-import-not-at-top
-  from deferred_grad import compat  # pylint: disable=g-import-not-at-top
   table, _, loss, global_step = model
   if variant == 'bare':
     return optimizer.minimize(loss, global_step=global_step)
@@ -106,8 +105,7 @@ def _train_op(tf, variant, model, optimizer, grad_steps):
     step = optimizer.minimize(loss, global_step=global_step)
     with tf.control_dependencies([step]):
       is_end = tf.equal(global_step.read_value() % grad_steps, 0)
-    return compat.cond(is_end, lambda: global_step.assign_add(0).op,
-                          tf.no_op)
+    return tf.cond(is_end, lambda: global_step.assign_add(0).op, tf.no_op)
   if variant == 'least_list':
     return _least_list(tf, model, optimizer, grad_steps)
   if variant in ('wrapper', 'baseline'):  # --baseline's deferred_grad
@@ -136,7 +134,6 @@ def _least_list(tf, model, optimizer, grad_steps):
   list's layout and room (a restored checkpoint, a micro-batch of another
   size), a header recording the rows listed (skipped micro-batches,
   checkpoints mid-cycle)."""
-  from deferred_grad import compat  # pylint: disable=g-import-not-at-top
   table, _, loss, global_step = model
   (grad, _), = optimizer.compute_gradients(loss, [table])
   listed = tf.compat.v1.get_variable(
@@ -156,8 +153,7 @@ def _least_list(tf, model, optimizer, grad_steps):
         tf.constant(table.shape.as_list(), tf.int64)), table)])
 
   with tf.control_dependencies([written]):
-    applied = compat.cond(tf.equal(place, grad_steps - 1), apply,
-                             tf.no_op)
+    applied = tf.cond(tf.equal(place, grad_steps - 1), apply, tf.no_op)
   with tf.control_dependencies([applied]):
     return global_step.assign_add(1)
 

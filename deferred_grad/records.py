@@ -1,28 +1,33 @@
 """A train op's record: its cycle, its counters, and where a run stands.
 
-Each call of `apply_gradients` builds a train op, and each train op keeps a
-record of its own (`TrainOpState`), made once for all the replicas that
-build it (`train_op_state`): its cycle, its counters, its run lock and the
-`Position` a run reads first. A cycle is `grad_steps` micro-steps; its last
-one applies the update. Three kinds of cycle share one interface (`read`,
-the `Position` of the next micro-step, a read and no write; `advance`,
-which counts it; `variables`), so that the optimizer never asks which one
-it has:
+Each call of `apply_gradients` builds a train op, and each train op keeps
+one `Record`, made once for all the replicas that build it (`of_train_op`):
+its cycle, its counters, its run lock and the `Position` a run reads
+first. A cycle is `grad_steps` micro-steps; its last one applies the
+update. Two kinds of cycle share one interface (`read`, the `Position` of
+the next micro-step, a read and no write; `advance`, which counts it;
+`variables`), so that the optimizer never asks which one it has:
 
-* `EveryMicroStep`, for grad_steps=1: each micro-step is a whole cycle.
 * `StepCycle`, for an int `grad_steps`: the position is read from a step
   variable, the `global_step` passed to `apply_gradients` (counting
   micro-steps without bound, as in the original) or the wrapper's own
   `update_count` (the TPU path, or no `global_step`), which counts
-  micro-steps modulo `grad_steps` (a float32 stops counting at 2**24).
+  micro-steps modulo `grad_steps` (a float32 stops counting at 2**24); with
+  grad_steps=1 each micro-step is a whole cycle and nothing is kept.
 * `Schedule`, for a tensor or callable `grad_steps`: three counters of its
   own hold the position, the length (read from the schedule on the cycle's
   first micro-step, then held) and the updates applied.
 
+An int is not a constant schedule here (as it is in optax): its state is
+the original's, one step variable, so that the original's checkpoints
+restore and continue their cycle, and a micro-step writes one counter, not
+three.
+
 Beside the cycle, the record holds this cycle's counts on each replica
-(weights, finite and non-finite micro-batches: see `optimizer`) and the
-totals of what a `nonfinite_policy` skipped. The first train op in a graph
-keeps the original's names (`update_count`), so that the original's
+(weights, finite and non-finite micro-batches, as the wrapper's policy
+says) and
+the totals of what a `nonfinite_policy` skipped. The first train op in a
+graph keeps the original's names (`update_count`), so that the original's
 checkpoints restore; later ones get unique names (`update_count_1`, ...) in
 the order the graph builds them. They are created outside the caller's
 variable-scope `reuse` setting, which would otherwise hand every wrapper
@@ -47,6 +52,7 @@ SCHEDULE_NAMES = ('micro_step', 'cycle_length', 'applied_updates')
 # {replica id: train ops it built}].
 _COUNTED_STEPS = ('deferred_grad', 'counted_steps')
 _TRAIN_OPS = ('deferred_grad', 'train_ops')
+
 
 # A micro-step's place in its cycle, read under the train op's lock before
 # the micro-step adds or counts anything: `in_cycle` (an int64 scalar, 0 on
@@ -77,53 +83,29 @@ def _acquire_lock():
 
 
 def _count_on(step):
-  """Adds one micro-step to a global step (atomically: workers share it)."""
-  if compat.is_ref_variable(step):
-    # Locked: workers sharing the step on a parameter server add at once.
-    return tf.compat.v1.assign_add(step, 1, use_locking=True).op
-  return step.assign_add(1, read_value=False)
-
-
-class EveryMicroStep(object):
-  """The cycle of grad_steps=1: every micro-step ends it; nothing is kept."""
-
-  grad_steps = 1
-  counts_global_step = False
-
-  def variables(self):
-    return []
-
-  def read(self, global_step=None):
-    """The `Position`: always a whole cycle's end."""
-    updates = None
-    if global_step is not None:  # every micro-step is an update
-      updates = tf.cast(global_step.read_value(), tf.int64)
-    return Position(in_cycle=tf.constant(0, tf.int64), length=1,
-                    is_end=True, updates=updates, step=None, checks=[])
-
-  def advance(self, position):
-    del position
-    return tf.no_op()
+  """Adds one micro-step to a global step: locked, as workers sharing it on
+  a parameter server may add at once."""
+  return step.assign_add(1, use_locking=True, read_value=False)
 
 
 class StepCycle(object):
   """A cycle of an int `grad_steps`, decided on a step variable.
 
   Args:
-    grad_steps: micro-steps per cycle (an int above 1).
+    grad_steps: micro-steps per cycle (an int).
     step: the variable the cycle is decided on: `global_step`, or the
-      wrapper's own `update_count`.
+      wrapper's own `update_count`; None for grad_steps=1.
     counts_global_step: whether `step` is the `global_step` (counted
       without bound; else counted modulo `grad_steps`).
   """
 
-  def __init__(self, grad_steps, step, counts_global_step):
+  def __init__(self, grad_steps, step=None, counts_global_step=False):
     self.grad_steps = grad_steps
     self.step = step
     self.counts_global_step = counts_global_step
 
   def variables(self):
-    return [] if self.counts_global_step else [self.step]
+    return [] if self.step is None or self.counts_global_step else [self.step]
 
   def read(self, global_step=None):
     """The `Position` of the next micro-step: its step read, no write.
@@ -133,6 +115,12 @@ class StepCycle(object):
         the cycle is decided on its own counter, the updates applied are
         taken as `global_step // grad_steps` (`applied_updates`).
     """
+    if self.step is None:  # grad_steps=1: every micro-step is an update
+      updates = None
+      if global_step is not None:
+        updates = tf.cast(global_step.read_value(), tf.int64)
+      return Position(in_cycle=tf.constant(0, tf.int64), length=1,
+                      is_end=True, updates=updates, step=None, checks=[])
     value = self.step.read_value()
     in_cycle = tf.math.floormod(value, self.grad_steps)
     updates = None
@@ -153,6 +141,8 @@ class StepCycle(object):
 
   def advance(self, position):
     """Counts the micro-step at `position` (its read ordered before)."""
+    if self.step is None:
+      return tf.no_op()
     if self.counts_global_step:
       return _count_on(self.step)
     next_value = tf.math.floormod(position.step + 1, self.grad_steps)
@@ -238,11 +228,11 @@ class Schedule(object):
                       for v, value in zip(self.variables(), values)])
 
 
-class TrainOpState(object):
+class Record(object):
   """One train op's record, shared by the replicas that build it.
 
   Args and attributes:
-    cycle: an `EveryMicroStep`, `StepCycle` or `Schedule`.
+    cycle: a `StepCycle` or a `Schedule`.
     global_step: the `global_step` the train op counts, or None.
     counts: {name: variable} of this cycle's per-replica counts, in the
       order the optimizer's policy names them; None where the micro-step is
@@ -429,23 +419,29 @@ class TrainOpState(object):
 
 # ------------------------------------------------------------- creation --
 
-def train_op_state(replica_context, *args, **kwargs):
+def of_train_op(replica, grad_steps, policy, own_counter, global_step, local,
+                counts_dtype, multi_worker):
   """The record of the train op being built, made once for all replicas.
 
   Under a multi-replica strategy every replica builds each train op: the
   same wrapper's `apply_gradients` runs once per replica, and an Estimator
   model_fn even makes a wrapper per replica. The n-th train op a replica
   builds in a graph is the n-th of every other replica: the first replica
-  to build it creates its record (`_create(*args, **kwargs)`), the others
-  share it. Call it under `tf.init_scope()`.
+  to build it creates its record and its variables, the others share it.
+  Call it under `tf.init_scope()`.
 
   Args:
-    replica_context: the current replica context, or None.
-    *args: `_create`'s arguments.
-    **kwargs: `_create`'s keyword arguments.
+    replica: this replica's index in its sync group (0 without replicas).
+    grad_steps: the int, or a schedule (a tensor or a callable).
+    policy: the wrapper's `optimizer.Policy`.
+    own_counter: an int cycle counts in `update_count`, not `global_step`.
+    global_step: the global step the train op counts, or None.
+    local: None (global variables), or a `distribute.WorkerLocal`.
+    counts_dtype: the dtype of the cycle's counts.
+    multi_worker: under a multi-worker strategy.
 
   Returns:
-    A `TrainOpState`.
+    A `Record`.
 
   Raises:
     ValueError: another wrapper train op counts the `global_step` this one
@@ -455,39 +451,24 @@ def train_op_state(replica_context, *args, **kwargs):
   train_ops = graph.get_collection_ref(_TRAIN_OPS)
   if not train_ops:
     train_ops.append(([], {}))
-  states, calls = train_ops[0]
-  replica = 0
-  if replica_context is not None:
-    replica = int(tf.get_static_value(
-        replica_context.replica_id_in_sync_group) or 0)
+  records, calls = train_ops[0]
   index = calls.get(replica, 0)
   calls[replica] = index + 1
-  if index == len(states):
-    states.append(_create(*args, **kwargs))
-  return states[index]
+  if index == len(records):
+    records.append(_create(grad_steps, policy, own_counter, global_step,
+                           local, counts_dtype, multi_worker))
+  return records[index]
 
 
-def _create(grad_steps, accumulates, policy, own_counter, global_step=None,
-            local=None, counts_dtype=tf.float32, multi_worker=False):
-  """Creates a train op's record and its variables (`train_op_state`).
+def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
+            multi_worker):
+  """Creates a train op's record and its variables (see `of_train_op`).
 
-  Args:
-    grad_steps: the int, or a schedule (a tensor or a callable).
-    accumulates: False for grad_steps=1, where a micro-step is its cycle:
-      its counts are tensors of the step, and only a policy's totals are
-      variables.
-    policy: (nonfinite_policy, weighted, the names of the counts the cycle
-      keeps, the policies in the order `checkpoints` records them).
-    own_counter: an int cycle counts in `update_count`, not `global_step`.
-    global_step: the global step the train op counts, or None.
-    local: None (global variables), or a `distribute.WorkerLocal`.
-    counts_dtype: the dtype of the cycle's counts.
-    multi_worker: under a multi-worker strategy.
-
-  Returns:
-    A `TrainOpState`.
+  With grad_steps=1 a micro-step is its cycle: its counts are tensors of
+  the step, and only a policy's totals are variables.
   """
   fixed = isinstance(grad_steps, int)
+  accumulates = not (fixed and grad_steps == 1)
   made = []
   own = lambda name, dtype, **kwargs: made.append(_own_variable(
       name, dtype, local=local, **kwargs)) or made[-1]
@@ -498,37 +479,36 @@ def _create(grad_steps, accumulates, policy, own_counter, global_step=None,
     _count_global_step(global_step, fixed and accumulates)
     if multi_worker:
       compat.plain_global_step_read(global_step)
-  nonfinite_policy, weighted, counts_names, policies = policy
   skipped = (None, None)
-  if nonfinite_policy:
+  if policy.nonfinite_policy:
     skipped = tuple(counter(name, tf.int64)
                     for name in ('skipped_micro_batches', 'skipped_cycles'))
   if not accumulates:
-    state = TrainOpState(EveryMicroStep(), global_step, None, skipped,
-                         counts_dtype)
+    record = Record(StepCycle(1), global_step, None, skipped, counts_dtype)
   else:
     counts = {}
-    strategy = tf.distribute.get_strategy()
-    with (distribute.summed_on_save(strategy, multi_worker) if (
-        counts_names and strategy.num_replicas_in_sync > 1) else
-          contextlib.nullcontext()):
-      for name in counts_names:  # saved as their sum over replicas
+    summed = tf.distribute.get_strategy().num_replicas_in_sync > 1 and (
+        not multi_worker)
+    with (tf.compat.v1.variable_creator_scope(distribute.summed_on_save)
+          if summed else contextlib.nullcontext()):
+      for name in policy.counts:  # saved as their sum over replicas
         counts[name] = own(name, counts_dtype)
     if not fixed:
       cycle = Schedule(grad_steps, [counter(name, tf.int64)
                                     for name in SCHEDULE_NAMES])
     elif own_counter:
-      cycle = StepCycle(grad_steps, counter(COUNTER_NAME, tf.float32),
-                        counts_global_step=False)
+      cycle = StepCycle(grad_steps, counter(COUNTER_NAME, tf.float32))
     else:
       cycle = StepCycle(grad_steps, global_step, counts_global_step=True)
-    state = TrainOpState(cycle, global_step, counts, skipped, counts_dtype)
+    record = Record(cycle, global_step, counts, skipped, counts_dtype)
     if local is None:  # see `checkpoints.Saver`
-      checkpoints.record_settings(grad_steps if fixed else None, weighted,
-                                  nonfinite_policy, policies, cycle.place())
+      checkpoints.record_settings(
+          grad_steps if fixed else None, policy.weighted,
+          policy.nonfinite_policy, arguments.NONFINITE_POLICIES,
+          cycle.place())
   if local is None:
     checkpoints.add_to_state(made)
-  return state
+  return record
 
 
 def _own_variable(name, dtype, initial_value=0,
@@ -645,17 +625,17 @@ def applied_updates(global_step, grad_steps, name=None):
         'applied_updates() method.' % (grad_steps,))
   grad_steps = arguments.check_positive_int(grad_steps, 'grad_steps')
   with tf.compat.v1.name_scope(name, 'applied_updates', [global_step]):
-    counting = [state for state in _states(global_step.graph)
-                if state.position is not None and
-                state.cycle.grad_steps == grad_steps and
-                getattr(state.global_step, 'name', None) == global_step.name]
+    counting = [record for record in _records(global_step.graph)
+                if record.position is not None and
+                record.cycle.grad_steps == grad_steps and
+                getattr(record.global_step, 'name', None) == global_step.name]
     if counting:  # read once per run, before the run counts
       return tf.cast(counting[-1].position.updates,
                      global_step.dtype.base_dtype)
     return tf.math.floordiv(global_step, grad_steps)
 
 
-def _states(graph):
+def _records(graph):
   """The records of the train ops built in `graph`, in order."""
   train_ops = graph.get_collection(_TRAIN_OPS)
   return list(train_ops[0][0]) if train_ops else []
