@@ -555,8 +555,9 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
     ValueError: the TPU path under a strategy of several replicas.
   """
   strategy = tf.distribute.get_strategy()
-  if ('ParameterServerStrategy' in type(strategy).__name__ and
-      compat.in_multi_worker_mode(strategy)):
+  if 'ParameterServerStrategy' in type(strategy).__name__ and any(
+      tf.DeviceSpec.from_string(device).job not in (None, 'localhost')
+      for device in getattr(strategy.extended, 'parameter_devices', ())):
     # It places every variable, the accumulators and counters included, on
     # the ps tasks: all workers would add into one accumulator and count
     # one cycle (see `distribute.worker_local` for the layout that works).

@@ -408,49 +408,38 @@ class Saver(tf.compat.v1.train.Saver):
 
   def __init__(self, *args, **kwargs):
     self._built_when_read = False
-    self._exporting = False
+    self._built_early = None
     super(Saver, self).__init__(*args, **kwargs)
     self._graph_made_in = tf.compat.v1.get_default_graph()
     self._built_when_read = self._built_def is None  # defer_build
+    self._var_list_given = self._var_list
 
   # A Supervisor takes the graph's default saver, reads its SaverDef and
   # finalizes the graph, without calling `build` (a Scaffold calls it): the
   # wrapper's default saver, deferred so that it saves the variables made
   # after the train op, is built at that first read, as a plain saver made
-  # there would be. Not when the graph's SAVERS collection is exported
-  # (`to_proto`), which may happen before the model's last variables exist.
+  # there would be. An export of the graph's SAVERS collection reads it too,
+  # maybe before the model's last variables exist: `build` then builds it
+  # again with them.
   @property
   def saver_def(self):
     """The `SaverDef` (see `tf.compat.v1.train.Saver`); builds a deferred
-    saver on first read, unless its graph is finalized or it is exported."""
-    if not self._exporting:
-      self._build_if_deferred()
+    saver on first read, unless its graph is finalized."""
+    self._build_if_deferred()
     return self._built_def
 
   @saver_def.setter
   def saver_def(self, value):
     self._built_def = value
 
-  def to_proto(self, export_scope=None):
-    """As `tf.compat.v1.train.Saver.to_proto`, building nothing.
-
-    Args:
-      export_scope: as `tf.compat.v1.train.Saver.to_proto`.
-
-    Returns:
-      A `SaverDef` proto (None where it is not built, as the plain one).
-    """
-    self._exporting = True
-    try:
-      return super(Saver, self).to_proto(export_scope)
-    finally:
-      self._exporting = False
-
   def _build_if_deferred(self):
-    """Builds a deferred saver not built yet, unless its graph is final."""
+    """Builds a deferred saver not built yet, unless its graph is final,
+    and remembers what it saved then (see `build`)."""
     if self._built_when_read and not self._graph_made_in.finalized:
       with self._graph_made_in.as_default():
         self.build()
+        self._built_early = set(_names(_default_saveables(
+            self._graph_made_in)))
 
   def save(self, sess, save_path, *args, **kwargs):
     """As `tf.compat.v1.train.Saver.save`; builds a deferred saver first.
@@ -471,6 +460,14 @@ class Saver(tf.compat.v1.train.Saver):
     a variable may have in a checkpoint."""
     self._built_when_read = False  # the base build reads saver_def
     graph = tf.compat.v1.get_default_graph()
+    if self._built_early is not None and self._var_list_given is None and (
+        set(_names(_default_saveables(graph))) != self._built_early):
+      # Built at an early read; the graph has gained variables since.
+      # pylint: disable=protected-access,attribute-defined-outside-init
+      self._is_built, self._built_def, self._fallback = False, None, None
+      self._var_list = None
+      # pylint: enable=protected-access,attribute-defined-outside-init
+    self._built_early = None
     self._settings = list(graph.get_collection(_SETTINGS))
     self._fixups = list(graph.get_collection(_FIXUPS))
     restored = self._var_list

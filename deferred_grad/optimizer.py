@@ -323,10 +323,12 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
     `fn` is called once, now, inside a `tf.cond` on whether the run applied
     an update: not on accumulate-only micro-steps, nor on a cycle that a
-    `nonfinite_policy` (or a weight sum of 0) applied nothing in. Called in
-    a replica context (under a strategy, inside the replica function) it
-    runs on each replica, as the wrapped optimizer does; in a cross-replica
-    context, once. Counters read inside it are those of `applies_update`:
+    `nonfinite_policy` (or a weight sum of 0) applied nothing in. Under a
+    strategy it runs once, in the cross-replica context where the wrapper
+    decides (a moving average then updates the mirrored averages with the
+    mirrored weights); where each replica made its own `fn` (an Estimator
+    `model_fn` under `train_distribute`), the first replica's. Counters read
+    inside it are those of `applies_update`:
     the values before the run (`applied_updates() + 1` is the updates
     applied once this one is, the large batch's `global_step` after its
     train op).
