@@ -26,6 +26,7 @@ from benchmarks import keras
 from benchmarks import memory
 from benchmarks import multiworker
 from benchmarks import parameter_servers
+from benchmarks import scale
 from benchmarks import sparse
 from benchmarks import step
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -37,10 +38,12 @@ SUITES = {
     'sparse': sparse,
     'multiworker': multiworker,
     'parameter_servers': parameter_servers,
+    'scale': scale,
 }
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('suites', list(SUITES), 'Which suites to run.')
+flags.DEFINE_list('suites', [name for name in SUITES if name != 'scale'],
+                  'Which suites to run (scale: only when named).')
 flags.DEFINE_string('output', 'benchmark.json',
                     'JSON results; the Markdown tables go beside it (.md).')
 flags.DEFINE_string('child', None,

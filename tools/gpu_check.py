@@ -2,7 +2,7 @@ r"""Every GPU check of deferred_grad in one bounded run, with a summary.
 
 Run it through `tools/gpu_check` (which sets up TensorFlow with CUDA) on a
 machine with a GPU; each part has its own time limit, and the whole run fits
-in about 10 minutes on one GPU:
+in about 15 minutes on one GPU:
 
 1. tests/test_gpu.py on the GPU, in both graph behaviours: dense and sparse
    accumulation, both paths, float16 variables with float32 accumulators,
@@ -13,10 +13,14 @@ in about 10 minutes on one GPU:
 3. a memory limit between the wrapper's peak and the large batch's (a
    logical device configuration): the large batch runs out of memory, the
    wrapper trains;
-4. the `step` suite on the GPU (fewer rounds).
+4. the `step` suite on the GPU (fewer rounds);
+5. the `scale` suite on the GPU: BERT-base and ResNet-50, the wrapper, the
+   bare optimizer at the micro-batch and at the large batch, the original;
+   TensorFlow's GPU allocator peaks beside the process's RSS (with --quick:
+   at toy sizes), its own time limit (--scale_timeout).
 
 Writes the summary as Markdown and JSON (--output). Without a GPU it says
-so and exits with status 3; --allow_cpu runs parts 1, 2 and 4 on the CPU
+so and exits with status 3; --allow_cpu runs parts 1, 2, 4 and 5 on the CPU
 instead (how the test suite checks this script).
 """
 
@@ -46,7 +50,9 @@ flags.DEFINE_bool('allow_cpu', False,
                   'script) instead of stopping.')
 flags.DEFINE_bool('quick', False, 'Smaller models and fewer timing rounds.')
 flags.DEFINE_integer('part_timeout', 240, 'Seconds each part may take.')
-flags.DEFINE_list('parts', ['tests', 'memory', 'out_of_memory', 'step'],
+flags.DEFINE_integer('scale_timeout', 900, 'Seconds the scale part may take.')
+flags.DEFINE_list('parts', ['tests', 'memory', 'out_of_memory', 'step',
+                            'scale'],
                   'Which parts to run.')
 
 NO_GPU_STATUS = 3
@@ -190,6 +196,19 @@ def _step():
     return json.load(f)['step']
 
 
+def _scale():
+  """The `scale` suite, through tools/benchmark.py (--quick: toy sizes)."""
+  output = os.path.join(tempfile.mkdtemp(), 'scale.json')
+  sizes = ['--scale_toy', '--scale_curve=1,2'] if FLAGS.quick else []
+  subprocess.run([sys.executable, os.path.join(TOOLS, 'benchmark.py'),
+                  '--suites=scale', '--output=' + output,
+                  '--plot=' + os.path.splitext(FLAGS.output)[0] + '.svg'] +
+                 sizes, check=True, stdout=subprocess.DEVNULL,
+                 timeout=FLAGS.scale_timeout)
+  with open(os.path.splitext(output)[0] + '.md') as f:
+    return {'table': f.read()}
+
+
 def _part(summary, name, function, *args):
   """Runs one part; a failure is recorded in the summary, not raised."""
   start = time.time()
@@ -250,6 +269,8 @@ def _markdown(summary):
          for r in summary['step']]))
   else:
     lines.append('step: %s' % summary['step'])
+  lines.append('')
+  lines.append(summary['scale'].get('table', 'scale: %s' % summary['scale']))
   return '\n'.join(lines) + '\n'
 
 
@@ -266,7 +287,7 @@ def main(argv):
       [REPO] + [p for p in [os.environ.get('PYTHONPATH')] if p])
   summary = {'tensorflow': version,
              'devices': ['%s (%s)' % gpu for gpu in gpus]}
-  for part in ['tests', 'memory', 'out_of_memory', 'step']:
+  for part in ['tests', 'memory', 'out_of_memory', 'step', 'scale']:
     summary[part] = {'skipped': 'not in --parts'}
   if 'tests' in FLAGS.parts:
     _part(summary, 'tests', _tests, on_gpu)
@@ -281,6 +302,8 @@ def main(argv):
       _part(summary, 'out_of_memory', _out_of_memory, summary['memory'])
   if 'step' in FLAGS.parts:
     _part(summary, 'step', _step)
+  if 'scale' in FLAGS.parts:
+    _part(summary, 'scale', _scale)
   text = _markdown(summary)
   with open(FLAGS.output, 'w') as f:
     f.write(text)
@@ -294,7 +317,8 @@ def main(argv):
 def _failures(summary):
   """What went wrong: a part that broke, a failed test, a wrapper that ran
   out of memory under the limit."""
-  failures = [part for part in ['tests', 'memory', 'out_of_memory', 'step']
+  failures = [part for part in ['tests', 'memory', 'out_of_memory', 'step',
+                                'scale']
               if isinstance(summary[part], dict) and 'error' in summary[part]]
   if isinstance(summary['tests'], dict):
     failures += ['tests (%s)' % behavior
