@@ -74,7 +74,7 @@ def test_every_relative_link_points_to_a_file():
 def test_every_guide_is_in_the_setups_table():
   section = _readme().split('## Setups', 1)[1].split('\n## ', 1)[0]
   guides = sorted(name for name in os.listdir(EXAMPLES)
-                  if name.endswith('_example.py') or name == 'bert_porting.py')
+                  if name.endswith(('_example.py', '_porting.py')))
   unlisted = [name for name in guides
               if '(tools/examples/%s)' % name not in section]
   assert not unlisted, 'examples missing from the README setups table: %s' % (

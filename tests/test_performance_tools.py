@@ -1,0 +1,87 @@
+"""The tools that answer "what does it cost on my model": they run and keep
+their books.
+
+tools/benchmark's `scale` suite at toy sizes (BERT-base's and ResNet-50's
+code, shrunk), and tools/measure_model.py on README's complete script and on
+a guide's model_fn: each variant in a process of its own, every variant
+trained on the same examples.
+"""
+
+import json
+import os
+import re
+
+import pytest
+import tensorflow as tf
+
+import scripts
+import test_readme
+
+_newest_only = pytest.mark.skipif(
+    not scripts.NEWEST_TENSORFLOW,
+    reason='the benchmarks run on the newest TensorFlow (tools/benchmark)')
+
+
+@scripts.run_once_per_version
+@_newest_only
+def test_the_scale_suite_runs_at_toy_sizes_and_keeps_its_books(tmp_path):
+  output, plot = str(tmp_path / 'scale.json'), str(tmp_path / 'scale.svg')
+  printed = scripts.run_tool(
+      'benchmark.py', '--suites=scale', '--scale_toy', '--scale_curve=1,2,4',
+      '--scale_cycles=1', '--output=' + output, '--plot=' + plot)
+  with open(output) as f:
+    results = json.load(f)['scale']
+  assert sorted(results) == ['bert', 'resnet'], results.keys()
+  for model, result in results.items():
+    measured = result['measured']
+    assert sorted(measured) == ['bare_large', 'bare_micro', 'original',
+                                'wrapper'], model
+    # The same examples in every variant: K*b a cycle, one of warm-up.
+    k, b = result['grad_steps'], result['micro_batch']
+    assert set((m['id_sum'], m['examples']) for m in measured.values()) == {
+        (sum(range(2 * k * b)), 2 * k * b)}, (model, measured)
+    # Each in a process of its own, not this one.
+    pids = [m['pid'] for m in measured.values()]
+    assert len(set(pids)) == 4 and os.getpid() not in pids, pids
+    for m in measured.values():
+      assert m['peak_rss_mb'] >= m['rss_after_init_mb'] > 0, (model, m)
+      assert len(m['step_times']) == m['steps_per_cycle'], (model, m)
+    assert measured['wrapper']['steps_per_cycle'] == k
+    assert measured['bare_large']['steps_per_cycle'] == 1
+    assert [point[0] for point in result['curve']] == [b, 2 * b, 4 * b]
+  assert '| BERT-base' in printed and '| ResNet-50' in printed, printed
+  with open(plot) as f:
+    svg = f.read()
+  assert svg.startswith('<svg') and 'BERT-base' in svg and 'ResNet-50' in svg
+
+
+def _measure(tmp_path, *flags):
+  output = scripts.run_tool('measure_model.py', '--cycles=1',
+                            '--budget_mb=4000', *flags)
+  rows = dict(re.findall(r'\| (bare optimizer, batch \S+|deferred_grad, K x '
+                         r'b) \| ([\d.]+) ms \|', output))
+  assert len(rows) == 3, output
+  assert 'what the wrapper keeps (and its checkpoints add): accumulator' in (
+      output), output
+  return output
+
+
+@scripts.run_once_per_version
+def test_measure_model_runs_on_the_readme_script(tmp_path):
+  (block,) = test_readme._python_blocks()  # pylint: disable=protected-access
+  script = tmp_path / 'script.py'
+  script.write_text(block)
+  output = _measure(tmp_path, '--model=%s:build' % script, '--micro_batch=32',
+                    '--grad_steps=2')
+  assert 'K=2 micro-batches of b=32' in output, output
+
+
+@scripts.run_once_per_version
+@pytest.mark.skipif(not hasattr(tf.compat.v1, 'estimator'),
+                    reason='the guide returns a TPUEstimatorSpec (TF 2.15)')
+def test_measure_model_runs_on_a_guide_s_model_fn(tmp_path):
+  guide = os.path.join(scripts.TOOLS, 'examples', 'tpu_image_porting.py')
+  output = _measure(tmp_path, '--model=%s:model_fn' % guide,
+                    '--input_fn=%s:input_fn' % guide, '--micro_batch=8',
+                    '--grad_steps=2')
+  assert 'K=2 micro-batches of b=8' in output, output

@@ -1,0 +1,273 @@
+r"""What deferred_grad saves and costs on your own model.
+
+Give it a function that builds your training graph for a batch size, with
+the wrapper or without it, and it trains three ways, each in a fresh process
+of its own, on the same examples in the same order (each process reports the
+example count it trained):
+
+* the bare optimizer at the micro-batch b;
+* the bare optimizer at the large batch K*b, the batch the wrapper stands in
+  for (the largest that fits --budget_mb is found by doubling K);
+* the wrapper, K micro-batches of b.
+
+It prints the time per example of a whole cycle against the bare optimizer
+at b and at K*b, the peak resident memory (RSS) of each, the wrapper's extra
+memory in parameter bytes (after initialisation, after the first cycle, at
+the peak), and what the wrapper keeps (README "Performance" has the
+formula): its accumulators, a table's list of rows, its counters, which are
+also what its checkpoints add.
+
+  python tools/measure_model.py --model=train.py:build --micro_batch=32 \
+      --grad_steps=4 --budget_mb=8000
+
+The model, one of:
+
+* `--model=FILE:build`, a function `build(batch_size, grad_steps)` that
+  builds the input, the model and the train op in the current graph and
+  returns the train op (or a tuple starting with it), with the wrapper's
+  `grad_steps` (README's complete script has one). The bare optimizer's
+  runs call it with grad_steps=1, where the wrapper passes each gradient
+  on as it comes: the bare optimizer's update, no accumulators;
+* `--model=FILE:model_fn --input_fn=FILE:input_fn`, Estimator style: the
+  `model_fn(features, labels, mode, params)` wraps its optimizer where
+  `params['grad_steps']` is set (as the guides' model_fns do) and the
+  `input_fn(params)` returns a `tf.data.Dataset` of (features, labels)
+  batches of `params['batch_size']`.
+
+Needs TensorFlow in graph mode (it disables eager execution) and
+deferred_grad importable; run it with the Python you train with.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+import peak_memory  # tools/peak_memory.py, beside this script
+
+# The tool's own flags, apart from absl's global ones, which the measured
+# model's module may define (the guides define --grad_steps, --micro_batch).
+FLAGS = flags.FlagValues()
+flags.DEFINE_string('model', None, 'FILE:FUNCTION, a build function or a '
+                    'model_fn (see the docstring).', flag_values=FLAGS)
+flags.DEFINE_string('input_fn', None, 'FILE:FUNCTION, with a model_fn.',
+                    flag_values=FLAGS)
+flags.DEFINE_integer('micro_batch', 32, 'b, the micro-batch.',
+                     flag_values=FLAGS)
+flags.DEFINE_integer('grad_steps', 4, 'K, micro-batches per update.',
+                     flag_values=FLAGS)
+flags.DEFINE_integer('cycles', 2, 'Timed cycles after one of warm-up.',
+                     flag_values=FLAGS)
+flags.DEFINE_integer('budget_mb', 8000, 'The memory a process may use: the '
+                     'bare optimizer is not run at larger batches past it.',
+                     flag_values=FLAGS)
+flags.DEFINE_enum('tf_behavior', 'v2', ['v2', 'v1'],
+                  'disable_eager_execution() (v2) or disable_v2_behavior().',
+                  flag_values=FLAGS)
+flags.DEFINE_string('child', None,
+                    'Internal: BATCH,GRAD_STEPS|none,STEPS_PER_CYCLE,CYCLES.',
+                    flag_values=FLAGS)
+
+
+def _load(spec):
+  """The function FILE:NAME names (each file loaded once)."""
+  path, name = spec.rsplit(':', 1)
+  path = os.path.abspath(path)
+  module = sys.modules.get('measured:' + path)
+  if module is None:
+    module_spec = importlib.util.spec_from_file_location('measured_model',
+                                                         path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, os.path.dirname(path))
+    module_spec.loader.exec_module(module)
+    sys.modules['measured:' + path] = module
+    if not flags.FLAGS.is_parsed():  # its flags, if any, at their defaults
+      flags.FLAGS.mark_as_parsed()
+  return getattr(module, name)
+
+
+def _train_op(tf, batch, grad_steps):
+  """Builds the user's graph in the current one; returns its train op."""
+  build = _load(FLAGS.model)
+  if FLAGS.input_fn is None:  # grad_steps=1: the bare optimizer's update
+    made = build(batch, grad_steps or 1)
+    return made[0] if isinstance(made, (tuple, list)) else made
+  tf.compat.v1.train.get_or_create_global_step()
+  params = {'batch_size': batch, 'grad_steps': grad_steps}
+  dataset = _load(FLAGS.input_fn)(dict(params))
+  features, labels = tf.compat.v1.data.make_one_shot_iterator(
+      dataset).get_next()
+  return build(features, labels, 'train', params).train_op
+
+
+def child(spec):
+  """Trains in this process; prints one JSON line of figures.
+
+  A cycle is `steps` runs (the wrapper's K micro-steps, the bare
+  optimizer's K steps at b or one at K*b); one cycle of warm-up, then
+  `cycles` timed.
+  """
+  batch, grad_steps, steps, cycles = spec.split(',')
+  batch, steps, cycles = int(batch), int(steps), int(cycles)
+  grad_steps = None if grad_steps == 'none' else int(grad_steps)
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if FLAGS.tf_behavior == 'v1':
+    tf.compat.v1.disable_v2_behavior()
+  else:
+    tf.compat.v1.disable_eager_execution()
+  graph = tf.Graph()
+  with graph.as_default():
+    train_op = _train_op(tf, batch, grad_steps)
+    parameters = sum(int(np.prod(v.shape.as_list())) * v.dtype.size
+                     for v in tf.compat.v1.trainable_variables())
+    state = list(graph.get_collection(('deferred_grad', 'state')))
+    init = [tf.compat.v1.global_variables_initializer(),
+            tf.compat.v1.local_variables_initializer(),
+            tf.compat.v1.tables_initializer()]
+  result = {'pid': os.getpid(), 'parameter_bytes': parameters}
+  failed = None
+  with tf.compat.v1.Session(graph=graph) as session:
+    session.run(init)
+    result['rss_after_init_mb'] = peak_memory.current_rss_mb()
+    times = []
+    try:
+      for run in range((1 + cycles) * steps):
+        start = time.perf_counter()
+        session.run(train_op)
+        times.append(time.perf_counter() - start)
+        if run == steps - 1:
+          result['rss_after_cycle_mb'] = peak_memory.current_rss_mb()
+    except (tf.errors.ResourceExhaustedError, tf.errors.OutOfRangeError) as e:
+      failed = type(e).__name__
+    state_bytes = {}
+    for variable in state:  # a list of rows: as large as it is now
+      kind = ('list of rows' if variable.shape.rank is None else
+              'accumulator' if variable.shape.rank else 'counter')
+      value = session.run(variable)
+      state_bytes[kind] = state_bytes.get(kind, 0) + value.nbytes
+  result.update(peak_rss_mb=peak_memory.peak_rss_mb(),
+                step_times=times[steps:], steps_per_cycle=steps,
+                examples=len(times) * batch, failed=failed,
+                state_bytes=state_bytes)
+  print(json.dumps(result))
+
+
+def _run(batch, grad_steps, steps, cycles):
+  """One configuration in a fresh process; its figures."""
+  command = [sys.executable, os.path.abspath(__file__),
+             '--child=%d,%s,%d,%d' % (batch, grad_steps or 'none', steps,
+                                      cycles),
+             '--model=' + FLAGS.model, '--tf_behavior=' + FLAGS.tf_behavior]
+  if FLAGS.input_fn:
+    command.append('--input_fn=' + FLAGS.input_fn)
+  output = subprocess.run(command, check=True, stdout=subprocess.PIPE,
+                          universal_newlines=True).stdout
+  return json.loads(output.strip().splitlines()[-1])
+
+
+def _median(values):
+  values = sorted(values)
+  return values[len(values) // 2] if values else None
+
+
+def _per_example(result, examples_per_cycle):
+  """Median seconds per example of a whole cycle."""
+  per = result['steps_per_cycle']
+  times = result['step_times']
+  cycles = [sum(times[i:i + per]) for i in range(0, len(times), per)]
+  return _median(cycles) / examples_per_cycle
+
+
+def measure():
+  """Runs the three processes; returns (figures, the text to print)."""
+  b, k = FLAGS.micro_batch, FLAGS.grad_steps
+  bare = _run(b, None, k, FLAGS.cycles)
+  wrapper = _run(b, k, k, FLAGS.cycles)
+  large = _run(k * b, None, 1, FLAGS.cycles)
+  fits = []  # (K', peak) of the bare optimizer at K'*b, from K doubling
+  multiple, measured, stopped = k, large, ''
+  while True:
+    if measured['failed'] or measured['peak_rss_mb'] > FLAGS.budget_mb:
+      stopped = ('at %d the input ran out' % (multiple * b)
+                 if measured['failed'] == 'OutOfRangeError' else
+                 '%d takes more' % (multiple * b))
+      break
+    fits.append((multiple, measured['peak_rss_mb']))
+    if multiple >= 64 * k or measured['peak_rss_mb'] * 2 > FLAGS.budget_mb:
+      stopped = ('the search stops at 64 K' if multiple >= 64 * k else
+                 '%d would take about twice as much' % (2 * multiple * b))
+      break
+    multiple *= 2
+    measured = _run(multiple * b, None, 1, 0)
+  if not fits or fits[0][0] != k:
+    large = None
+  # The same examples, each configuration in a process of its own.
+  assert bare['examples'] == wrapper['examples'] == (
+      large or wrapper)['examples'], (bare, wrapper, large)
+  assert len({bare['pid'], wrapper['pid']} | (
+      {large['pid']} if large else set())) == (3 if large else 2)
+  p_mb = wrapper['parameter_bytes'] / 2**20
+
+  def extra(key):
+    megabytes = wrapper[key] - bare[key]
+    return '%+.0f MB = %+.2f P' % (megabytes, megabytes / p_mb)
+
+  lines = [
+      'model: %s, P = %.1f MB of parameters; K=%d micro-batches of b=%d' % (
+          FLAGS.model, p_mb, k, b),
+      '',
+      '| | time per example | peak RSS (MB) |',
+      '|---|---:|---:|',
+      '| bare optimizer, batch b=%d | %.2f ms | %.0f |' % (
+          b, 1e3 * _per_example(bare, k * b), bare['peak_rss_mb']),
+      '| deferred_grad, K x b | %.2f ms | %.0f |' % (
+          1e3 * _per_example(wrapper, k * b), wrapper['peak_rss_mb'])]
+  if large:
+    lines.append('| bare optimizer, batch K*b=%d | %.2f ms | %.0f |' % (
+        k * b, 1e3 * _per_example(large, k * b), large['peak_rss_mb']))
+  else:
+    lines.append('| bare optimizer, batch K*b=%d | does not fit %d MB | |' %
+                 (k * b, FLAGS.budget_mb))
+  lines += [
+      '',
+      'RSS of the wrapper over the bare optimizer at b (P: the parameters\' '
+      'bytes): after initialisation %s, after the first cycle %s, at the '
+      'peak %s.' % (extra('rss_after_init_mb'), extra('rss_after_cycle_mb'),
+                    extra('peak_rss_mb')),
+      'what the wrapper keeps (and its checkpoints add): %s.' % ', '.join(
+          '%s %.3g MB' % (kind, size / 2**20)
+          for kind, size in sorted(wrapper['state_bytes'].items())),
+      'largest effective batch of the bare optimizer within %d MB: %s (%s, '
+      'doubling from K*b); the wrapper\'s peak does not grow with K.' % (
+          FLAGS.budget_mb, '%d, %.0f MB' % (fits[-1][0] * b, fits[-1][1])
+          if fits else 'less than K*b', stopped),
+  ]
+  return {'bare': bare, 'wrapper': wrapper, 'large': large,
+          'bare_fits': fits}, '\n'.join(lines)
+
+
+def main(argv):
+  try:
+    FLAGS(argv)
+  except flags.Error as e:
+    sys.exit('%s\n%s' % (e, FLAGS.main_module_help()))
+  if not FLAGS.model:
+    sys.exit('--model=FILE:FUNCTION is required.\n' +
+             FLAGS.main_module_help())
+  if FLAGS.child:
+    return child(FLAGS.child)
+  _, text = measure()
+  print(text)
+
+
+if __name__ == '__main__':
+  if any(arg in ('-h', '--help') for arg in sys.argv[1:]):
+    print(__doc__ + '\nflags:\n' + FLAGS.main_module_help())
+    sys.exit(0)
+  main(sys.argv)
