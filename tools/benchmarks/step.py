@@ -74,6 +74,17 @@ makes (one op per device). What remains per variable and cycle: the
 wrapped update and the zeroing assign; and on every micro-step the
 accumulator's own memory traffic.
 
+Since the public core (2026-12-04) the batched handles and reads and the
+apply branch's own handles above are gone (they were private TensorFlow):
+each accumulator is added through its variable's own handle, and the
+cycle's `If` takes the handles its branch uses as arguments; only the `If`
+left unlowered stays. Side by side with the commit before, twice
+(`tools/benchmark --suites=step --baseline=6d28636`, K=8; this tree / that
+commit, accumulate-only, cycle, schedule cycle): MLP SGD 1.014/0.978,
+0.987/0.988, 0.981/0.994; MLP Adam 1.001/1.009, 0.987/0.981, 1.013/1.030;
+200 variables SGD 1.025/1.051, 0.980/1.056, 1.013/1.031; 200 variables
+Adam 1.051/1.036, 1.115/1.074, 1.029/1.014.
+
 Not built: folding the cycle's last micro-batch into the read (the apply
 step reading `accumulator + gradient` instead of adding, then reading).
 It saves one in-place add per variable and cycle, but the add must then
