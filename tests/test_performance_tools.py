@@ -22,13 +22,16 @@ _newest_only = pytest.mark.skipif(
     reason='the benchmarks run on the newest TensorFlow (tools/benchmark)')
 
 
-@scripts.run_once_per_version
+@scripts.run_examples_once_per_version
 @_newest_only
 def test_the_scale_suite_runs_at_toy_sizes_and_keeps_its_books(tmp_path):
   output, plot = str(tmp_path / 'scale.json'), str(tmp_path / 'scale.svg')
+  # K=2 and a curve to 4: the curve reuses the main runs for K=1 and K=2
+  # and measures K=4 in processes of its own.
   printed = scripts.run_tool(
-      'benchmark.py', '--suites=scale', '--scale_toy', '--scale_curve=1,2,4',
-      '--scale_cycles=1', '--output=' + output, '--plot=' + plot)
+      'benchmark.py', '--suites=scale', '--scale_toy', '--scale_grad_steps=2',
+      '--scale_curve=1,2,4', '--scale_cycles=1', '--output=' + output,
+      '--plot=' + plot)
   with open(output) as f:
     results = json.load(f)['scale']
   assert sorted(results) == ['bert', 'resnet'], results.keys()
@@ -57,11 +60,13 @@ def test_the_scale_suite_runs_at_toy_sizes_and_keeps_its_books(tmp_path):
 
 def _measure(tmp_path, *flags):
   output = scripts.run_tool('measure_model.py', '--cycles=1',
-                            '--budget_mb=4000', *flags)
+                            '--budget_mb=4000', '--search_up_to=2', *flags)
   rows = dict(re.findall(r'\| (bare optimizer, batch \S+|deferred_grad, K x '
                          r'b) \| ([\d.]+) ms \|', output))
   assert len(rows) == 3, output
   assert 'what the wrapper keeps (and its checkpoints add): accumulator' in (
+      output), output
+  assert 'largest effective batch of the bare optimizer within 4000 MB' in (
       output), output
   return output
 

@@ -65,6 +65,9 @@ flags.DEFINE_integer('cycles', 2, 'Timed cycles after one of warm-up.',
 flags.DEFINE_integer('budget_mb', 8000, 'The memory a process may use: the '
                      'bare optimizer is not run at larger batches past it.',
                      flag_values=FLAGS)
+flags.DEFINE_integer('search_up_to', 64, 'The search for the largest '
+                     'batch that fits doubles K up to this many times K.',
+                     flag_values=FLAGS)
 flags.DEFINE_enum('tf_behavior', 'v2', ['v2', 'v1'],
                   'disable_eager_execution() (v2) or disable_v2_behavior().',
                   flag_values=FLAGS)
@@ -199,8 +202,10 @@ def measure():
                  '%d takes more' % (multiple * b))
       break
     fits.append((multiple, measured['peak_rss_mb']))
-    if multiple >= 64 * k or measured['peak_rss_mb'] * 2 > FLAGS.budget_mb:
-      stopped = ('the search stops at 64 K' if multiple >= 64 * k else
+    limit = FLAGS.search_up_to * k
+    if multiple >= limit or measured['peak_rss_mb'] * 2 > FLAGS.budget_mb:
+      stopped = ('the search stops at %d K' % FLAGS.search_up_to
+                 if multiple >= limit else
                  '%d would take about twice as much' % (2 * multiple * b))
       break
     multiple *= 2
