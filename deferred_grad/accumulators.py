@@ -775,7 +775,7 @@ def _list_of_rows(variable, columns, dtype, owner, mirrored):
     variable: the table (or one partition of it).
     columns: the list's columns (`list_columns`).
     dtype: its dtype.
-    owner: the train op's record (`record.Record`).
+    owner: the train op's record (`records.Record`).
     mirrored: under a multi-replica strategy: the strategy's variable, a
       component per replica (else beside the table).
 
@@ -834,7 +834,7 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
   Args:
     opt: the wrapped optimizer, which owns the slots.
     grads_and_vars: the (gradient, variable) pairs.
-    owner: the train op's record (`record.Record`).
+    owner: the train op's record (`records.Record`).
     sparse: accumulate an IndexedSlices gradient row by row (else densely).
     dtype: `accumulator_dtype`, or None.
     num_partitions: `xla_num_partitions`, or None.
