@@ -16,8 +16,8 @@ One kind per kind of gradient sits behind it, all with `add`, `read` and
 
 * `DenseAccumulator`: a slot of the wrapped optimizer shaped like its
   variable (`<variable>/GradientAccumulator`), added to and zeroed in
-  place, one kernel each; `ShardedAccumulator` adds through the XLA
-  sharding rule (`sharding`). Also a table's where shapes must be static
+  place, one kernel each (with `xla_num_partitions`, through the XLA
+  sharding rule, `sharding`). Also a table's where shapes must be static
   (inside XLA: its rows scatter-added, the whole handed on, as the
   original did) or where it is asked for (`sparse_as_dense`).
 * `RowListAccumulator`: a table's (sparse gradients, `tf.IndexedSlices`)
@@ -119,10 +119,7 @@ def _zero(variable, handle, shared_zeros, in_xla):
     if key not in shared_zeros:
       with tf.control_dependencies(None):  # made once, not after one reset
         shared_zeros[key] = run_time_zeros(shape.as_list(), dtype)
-    if handle is None:
-      return tf.compat.v1.assign(variable, shared_zeros[key]).op
-    return tf.raw_ops.AssignVariableOp(resource=handle,
-                                       value=shared_zeros[key])
+    return tf.compat.v1.assign(variable, shared_zeros[key]).op
   rows = tf.compat.dimension_value(shape[0])
   if rows is None:  # known at run time only: read where the variable is
     rows = (tf.shape(variable, out_type=tf.int64) if handle is None else
@@ -132,11 +129,10 @@ def _zero(variable, handle, shared_zeros, in_xla):
     # ids would stay for the session's life (8 bytes a row).
     rows = tf.range(tf.compat.v1.placeholder_with_default(
         tf.cast(rows, tf.int64), []))
-  zero_value = tf.zeros([], dtype)
+  zeroed = tf.compat.v1.scatter_update(variable, rows,
+                                       tf.zeros([], dtype)).op
   if handle is None:
-    return tf.compat.v1.scatter_update(variable, rows, zero_value).op
-  zeroed = tf.raw_ops.ResourceScatterUpdate(resource=handle, indices=rows,
-                                            updates=zero_value)
+    return zeroed
   with tf.control_dependencies([zeroed]):
     return tf.raw_ops.DisableCopyOnRead(resource=handle)
 
@@ -158,79 +154,62 @@ def _divided(values, length):
 class DenseAccumulator(object):
   """Accumulates dense gradients in place, and zeroes them in place.
 
+  With `num_partitions` (`xla_num_partitions`) every read carries the XLA
+  sharding rule (`sharding`): a micro-step adds to the sharded read (a
+  table's rows inside XLA are scatter-added, and only the apply step's read
+  carries the rule, as the micro-steps read nothing).
+
   Args:
     slot: the accumulator variable.
     local: this replica's component of it (the slot itself without one).
     handle: `local`'s resource handle, None for a ref variable.
     in_xla: built inside an XLA computation.
+    num_partitions: None, or `xla_num_partitions`.
+    rows: a table's inside XLA (its gradients are IndexedSlices).
   """
 
   shared = False  # each replica its own
 
-  def __init__(self, slot, local, handle, in_xla=False):
+  def __init__(self, slot, local, handle, in_xla=False, num_partitions=None,
+               rows=False):
     self.slot = slot
     self.local = local
     self._handle = handle
     self._in_xla = in_xla
-
-  def add(self, gradient, length, scale):
-    """accumulator += scale * gradient (`scale`: 1/`length` in its dtype).
-
-    A table's rows (an IndexedSlices) inside XLA are scatter-added: the cost
-    follows the rows looked up; elsewhere (sparse_as_dense) densified."""
-    del length
-    dtype = self.local.dtype.base_dtype
-    if isinstance(gradient, tf.IndexedSlices) and self._in_xla:
-      return self.local.scatter_add(tf.IndexedSlices(
-          tf.cast(gradient.values, dtype) * scale, gradient.indices)).op
-    return _add(self.local, self._handle, _dense(gradient, dtype), scale)
-
-  def read(self):
-    """The cycle's sum."""
-    return self.local.read_value()
-
-  def reset(self, after, shared_zeros):
-    """Zeroes the accumulator in place once `after` has run; the op."""
-    with tf.control_dependencies([after]):
-      return _zero(self.local, self._handle, shared_zeros, self._in_xla)
-
-
-class ShardedAccumulator(DenseAccumulator):
-  """A dense accumulator whose reads carry the XLA sharding rule.
-
-  Args:
-    slot, local, handle, in_xla: as `DenseAccumulator`'s.
-    num_partitions: `xla_num_partitions`.
-    rows: a table's inside XLA: its rows are scatter-added (the micro-steps
-      read nothing) and the apply step's read carries the rule.
-  """
-
-  def __init__(self, slot, local, handle, in_xla, num_partitions,
-               rows=False):
-    super(ShardedAccumulator, self).__init__(slot, local, handle, in_xla)
     self._num_partitions = num_partitions
     self._rows = rows
 
   def add(self, gradient, length, scale):
-    """accumulator = sharded(accumulator) + gradient / length (a table's
-    rows: scatter-added)."""
-    del scale
+    """accumulator += gradient / length (`scale`: 1/`length` in its dtype).
+
+    A table's rows (an IndexedSlices) inside XLA are scatter-added: the cost
+    follows the rows looked up; elsewhere (sparse_as_dense) densified.
+    Sharded, the original's `/ length`; else one kernel, times `scale`."""
     dtype = self.local.dtype.base_dtype
+    sharded = self._num_partitions is not None
     if self._rows:
-      return self.local.scatter_add(tf.IndexedSlices(
-          _divided(tf.cast(gradient.values, dtype), length),
-          gradient.indices)).op
+      values = tf.cast(gradient.values, dtype)
+      values = _divided(values, length) if sharded else values * scale
+      return self.local.scatter_add(
+          tf.IndexedSlices(values, gradient.indices)).op
+    if not sharded:
+      return _add(self.local, self._handle, _dense(gradient, dtype), scale)
     current = sharding.shard(self.local.read_value(), self._num_partitions)
     return self.local.assign(current + _divided(_dense(gradient, dtype),
                                                 length), read_value=False)
 
   def read(self):
-    """The cycle's sum; a table's (added to by rows) with the sharding rule,
+    """The cycle's sum; a sharded table's (added to by rows) with the rule,
     as its micro-steps do not read it."""
     value = self.local.read_value()
-    if self._rows:
+    if self._rows and self._num_partitions is not None:
       return sharding.shard(value, self._num_partitions)
     return value
+
+  def reset(self, after, shared_zeros):
+    """Zeroes the accumulator in place once `after` has run; the op."""
+    with tf.control_dependencies([after]):
+      return _zero(self.local, self._handle, shared_zeros, self._in_xla)
 
 
 # ---------------------------------------------------------------- tables --
@@ -383,10 +362,11 @@ class RowListAccumulator(object):
     slot: the list variable, of unknown static row count (`_list_of_rows`).
     variable: the table (or one partition of it).
     dtype: the accumulator's dtype.
-    handle: `slot`'s resource handle, None for a ref variable.
-    lists: the variables its micro-steps write, the first read: [slot]; or
-      this replica's component of a mirrored `slot` (its own, across
-      workers); or its first component (a list the replicas share).
+    handle: this replica's component's resource handle, None for a ref
+      variable.
+    listed: the variable its micro-steps write and its apply step reads:
+      `slot`; or this replica's component of a mirrored `slot` (its own,
+      across workers); or its first component (a list the replicas share).
     replica: None where the list is this replica's alone; else this
       replica's index, among replicas that share the list.
     cycle_rows: across workers, the most rows a cycle looks up where known
@@ -395,11 +375,10 @@ class RowListAccumulator(object):
     across_workers: whether the apply step pads its rows (see above).
   """
 
-  def __init__(self, slot, variable, dtype, handle, lists=None, replica=None,
+  def __init__(self, slot, variable, dtype, handle, listed, replica=None,
                cycle_rows=None, across_workers=False):
     self.slot = slot
-    self._lists = list(lists or [slot])
-    self.local = self._lists[0]
+    self.local = listed
     self.shared = replica is not None
     self._first = not replica  # reads and resets the list
     self._dtype = dtype
@@ -459,17 +438,6 @@ class RowListAccumulator(object):
         is_list, lambda: self._gather(listed, tf.range(1, length + 1)),
         from_dense)
 
-  def _assign(self, listed, value):
-    if self._ref:
-      return tf.compat.v1.assign(listed, value, validate_shape=False).op
-    return listed.assign(value, read_value=False)
-
-  def _scatter(self, listed, indices, rows):
-    """Writes `rows` at `indices`, in place; returns the op."""
-    if self._ref:
-      return tf.compat.v1.scatter_update(listed, indices, rows).op
-    return listed.scatter_update(tf.IndexedSlices(rows, indices)).op
-
   def rows(self, gradient, length):
     """The rows looked up (/ `length`), each beside its id: a list's part."""
     rows = _divided(tf.cast(gradient.values, self._dtype), length)
@@ -491,9 +459,7 @@ class RowListAccumulator(object):
     Returns:
       The op.
     """
-    return tf.group(*[self._append(listed, parts) for listed in self._lists])
-
-  def _append(self, listed, parts):
+    listed = self.local
     with tf.device(listed.device):
       new = tf.concat(list(parts), 0)
       added = tf.shape(new, out_type=tf.int64)[0]
@@ -502,10 +468,11 @@ class RowListAccumulator(object):
           length >= 0, length + added <= capacity))
 
       def write():
-        return self._scatter(
+        # In place: the new header and the rows after the listed ones.
+        return tf.compat.v1.scatter_update(
             listed,
             tf.concat([[0], tf.range(length + 1, length + added + 1)], 0),
-            tf.concat([self._header(length + added), new], 0))
+            tf.concat([self._header(length + added), new], 0)).op
 
       def rebuild():
         rows = self._listed(listed, is_list, length)
@@ -516,10 +483,9 @@ class RowListAccumulator(object):
         rows = tf.concat([rows, new], 0)
         count = tf.shape(rows, out_type=tf.int64)[0]
         room = tf.maximum(count, tf.minimum(2 * count, table_rows + added))
-        return self._assign(listed, tf.concat([
-            self._header(count), rows,
-            tf.zeros(tf.stack([room - count, self._columns]), self._dtype)],
-                                              0))
+        free = tf.zeros(tf.stack([room - count, self._columns]), self._dtype)
+        rows = tf.concat([self._header(count), rows, free], 0)
+        return tf.compat.v1.assign(listed, rows, validate_shape=False).op
 
       return compat.cond(fits, write, rebuild)
 
@@ -548,15 +514,15 @@ class RowListAccumulator(object):
     with tf.control_dependencies([after]):
       if not self._first:
         return tf.no_op()
-      return tf.group(*[self._reset(listed) for listed in self._lists])
-
-  def _reset(self, listed):
-    is_list, _, _ = self._state(listed)
-    return compat.cond(
+      listed = self.local
+      is_list, _, _ = self._state(listed)
+      return compat.cond(
         is_list,
-        lambda: self._scatter(listed, [0],
-                              self._header(tf.constant(0, tf.int64))),
-        lambda: self._assign(listed, empty_list(self._columns, self._dtype)))
+          lambda: tf.compat.v1.scatter_update(
+              listed, [0], self._header(tf.constant(0, tf.int64))).op,
+          lambda: tf.compat.v1.assign(listed, empty_list(self._columns,
+                                                         self._dtype),
+                                      validate_shape=False).op)
 
 
 # ------------------------------------------------------ one train op's --
@@ -730,19 +696,23 @@ def _slot_name(opt, variable, owner, graph):
       return SLOT_NAME + suffix, SLOT_OP_NAME + suffix
 
 
-def _create_slot(opt, variable, dtype, owner):
-  """Creates (or finds) `variable`'s accumulator slot, owned by `opt`;
-  returns (the slot, whether this call made it).
+def _dense_slot(opt, variable, dtype, owner, local):
+  """Creates (or finds) `variable`'s dense accumulator, a slot of `opt`.
 
   The slot belongs to the wrapped optimizer, as in the original, so that it
   is saved as `<variable name>/GradientAccumulator` (a partition's as its
   slice of `<table>/GradientAccumulator`), by the slot functions the
-  original used.
+  original used; the call that makes it records it as the wrapper's state.
+  On a parameter-server worker (`local`) the worker's own variable.
 
   Raises:
     ValueError: an `accumulator_dtype` other than the variable's for a
       variable of unknown static shape.
   """
+  if local is not None:  # the worker's own, not a slot (`distribute`)
+    shape = variable.shape
+    return local.variable(variable.op.name + '/' + SLOT_OP_NAME,
+                          lambda: run_time_zeros(shape, dtype), dtype)
   # pylint: disable=protected-access
   slot_name, op_name = _slot_name(opt, variable, owner, variable.graph)
   made = opt.get_slot(variable, slot_name) is None
@@ -756,12 +726,13 @@ def _create_slot(opt, variable, dtype, owner):
     raise ValueError(
         'accumulator_dtype=%s needs variables of known shape; %s has shape '
         '%s.' % (dtype.name, variable.name, variable.shape))
-  if made:
+  if made:  # (under a strategy: by the replica that made it)
     slot.graph.add_to_collection(_OWNERS, (slot, owner))
-  return slot, made
+    checkpoints.add_to_state([slot])
+  return slot
 
 
-def _list_of_rows(variable, columns, dtype, owner, mirrored):
+def _list_of_rows(opt, variable, columns, dtype, owner, local, mirrored):
   """`variable`'s list of rows for the train op `owner` (made once).
 
   Not a slot of the wrapped optimizer: a slot of a partition inherits its
@@ -769,22 +740,32 @@ def _list_of_rows(variable, columns, dtype, owner, mirrored):
   does not have. Each list is a variable of its own, saved as
   `<variable name>/GradientAccumulator` (`table/part_0/GradientAccumulator`
   for a partition; a second train op's `..._1`), whichever replica or
-  wrapper asks first making it, with the dtype asked for.
+  wrapper asks first making it, with the dtype asked for. The first to make
+  it records it as the wrapper's state, and restores into it what an
+  object-based checkpoint handed the wrapped optimizer (it shows as the
+  optimizer's slot `grad_accum`); a partition's is also restored from its
+  slice of the original's one accumulator of the table.
 
   Args:
+    opt: the wrapped optimizer.
     variable: the table (or one partition of it).
     columns: the list's columns (`list_columns`).
     dtype: its dtype.
     owner: the train op's record (`records.Record`).
+    local: None, or a `distribute.WorkerLocal`: the worker's own list.
     mirrored: under a multi-replica strategy: the strategy's variable, a
       component per replica (else beside the table).
 
   Returns:
-    (the variable, of no static row count, whether this call made it).
+    The variable, of no static row count.
   """
+  name = variable.op.name + '/' + SLOT_OP_NAME
+  if local is not None:  # the worker's own, not saved (`distribute`)
+    return local.variable(name, lambda: empty_list(columns, dtype), dtype,
+                          list_of_rows=True)
   key = id(variable)
   if key in owner.lists:
-    return owner.lists[key], False
+    return owner.lists[key]
   with contextlib.ExitStack() as stack:
     stack.enter_context(tf.compat.v1.name_scope(None))
     if mirrored:
@@ -793,11 +774,17 @@ def _list_of_rows(variable, columns, dtype, owner, mirrored):
     else:
       stack.enter_context(tf.compat.v1.colocate_with(variable))
       initial = lambda: empty_list(columns, dtype)
-    owner.lists[key] = tf.compat.v1.Variable(
-        initial, dtype=dtype, name=variable.op.name + '/' + SLOT_OP_NAME,
-        trainable=False, validate_shape=False, shape=tf.TensorShape(None),
+    listed = owner.lists[key] = tf.compat.v1.Variable(
+        initial, dtype=dtype, name=name, trainable=False,
+        validate_shape=False, shape=tf.TensorShape(None),
         use_resource=not compat.is_ref_variable(variable))
-  return owner.lists[key], True
+  checkpoints.add_to_state([listed])
+  opt._restore_slot_variable(slot_name_of(listed), variable, listed)  # pylint: disable=protected-access
+  spec = checkpoints.slice_spec(variable)
+  if spec:  # a partition: the original kept slices of one accumulator
+    checkpoints.add_source(listed, checkpoints.save_name(variable) + '/' +
+                           listed.op.name.rsplit('/', 1)[-1], spec)
+  return listed
 
 
 def slot_name_of(accumulator):
@@ -853,10 +840,12 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
       variable whose rows cannot be listed (a static shape unknown, or a
       dtype wider than 8 bytes) outside XLA with `sparse_as_dense=False`.
   """
-  strategy = tf.distribute.get_strategy()
   mirrored = replica is not None and local is None  # a table's list
-  specs = []
-  for gradient, variable in grads_and_vars:
+  # Lists are not sums over replicas (a mirrored one's components are
+  # alike, or each replica's own across workers): only dense ones are.
+  summed = replica is not None and not multi_worker
+  pairs = []
+  for gradient, variable in grads_and_vars:  # checked before making any
     own_dtype = dtype or variable.dtype.base_dtype
     table = sparse and isinstance(gradient, tf.IndexedSlices) and not in_xla
     columns = list_columns(variable, own_dtype) if table else None
@@ -867,72 +856,33 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
           'up, which needs a static shape and a dtype of at most 8 bytes. '
           'Give the variable a static shape, or sparse_as_dense=True.' % (
               variable.name, variable.shape, own_dtype.name))
-    specs.append(('list' if table else 'dense', gradient, variable, own_dtype,
-                  columns))
-  summed = replica is not None and not multi_worker
-  with (tf.compat.v1.variable_creator_scope(distribute.summed_on_save)
-        if summed else contextlib.nullcontext()):
-    dense = {i: _variable(opt, owner, local, mirrored, *spec)
-             for i, spec in enumerate(specs) if spec[0] == 'dense'}
-  # Lists are not sums over replicas (a mirrored one's components are
-  # alike, or each replica's own across workers): made outside that scope.
-  made = [dense[i] if i in dense else
-          _variable(opt, owner, local, mirrored, *spec)
-          for i, spec in enumerate(specs)]
-  slots = [slot for slot, _ in made]
-  saved = [(slot, spec) for (slot, new), spec in zip(made, specs)
-           if new and local is None]
-  if saved:  # (under a strategy: by the replica that made them)
-    checkpoints.add_to_state([slot for slot, _ in saved])
-  lists = [(slot, spec[2]) for slot, spec in saved if spec[0] == 'list']
-  for slot, variable in lists:
-    # An object-based checkpoint's restore handed the wrapped optimizer its
-    # value (it shows as the optimizer's slot `grad_accum`).
-    opt._restore_slot_variable(slot_name_of(slot), variable, slot)  # pylint: disable=protected-access
-    spec = checkpoints.slice_spec(variable)
-    if spec:  # a partition: the original kept slices of one accumulator
-      checkpoints.add_source(slot, checkpoints.save_name(variable) + '/' +
-                             slot.op.name.rsplit('/', 1)[-1], spec)
-  accumulators = []
-  local_slots = compat.local_variables(slots)
-  for slot, local_slot, handle, (kind, gradient, variable, own_dtype, _) in (
-      zip(slots, local_slots, compat.handles(local_slots), specs)):
-    if kind == 'list':
-      if not mirrored:
-        lists_written, shared_by = [slot], None
-      elif multi_worker:  # each replica its own component
-        lists_written, shared_by = [local_slot], None
-      else:  # the replicas share the list: its first component holds it
-        lists_written = strategy.experimental_local_results(slot)[:1]
-        shared_by = replica
-      accumulators.append(RowListAccumulator(
-          slot, variable, own_dtype, handle, lists_written, shared_by,
-          cycle_rows=_cycle_rows(gradient, owner) if multi_worker else None,
-          across_workers=mirrored and multi_worker))
+    pairs.append((gradient, variable, own_dtype, columns))
+  slots = []
+  for _, variable, own_dtype, columns in pairs:
+    if columns is not None:
+      slots.append(_list_of_rows(opt, variable, columns, own_dtype, owner,
+                                 local, mirrored))
       continue
-    if isinstance(gradient, tf.IndexedSlices) and local is None:
-      checkpoints.add_restore_fixup(dense_after_restore(local_slot))
-    if num_partitions is None:
-      accumulators.append(DenseAccumulator(slot, local_slot, handle, in_xla))
-    else:
-      accumulators.append(ShardedAccumulator(
-          slot, local_slot, handle, in_xla, num_partitions,
-          rows=in_xla and isinstance(gradient, tf.IndexedSlices)))
+    with (tf.compat.v1.variable_creator_scope(distribute.summed_on_save)
+          if summed else contextlib.nullcontext()):
+      slots.append(_dense_slot(opt, variable, own_dtype, owner, local))
+  local_slots = compat.local_variables(slots)
+  accumulators = []
+  for (gradient, variable, own_dtype, columns), slot, local_slot, handle in (
+      zip(pairs, slots, local_slots, compat.handles(local_slots))):
+    rows = isinstance(gradient, tf.IndexedSlices)
+    if columns is None:
+      if rows and local is None:
+        checkpoints.add_restore_fixup(dense_after_restore(local_slot))
+      accumulators.append(DenseAccumulator(
+          slot, local_slot, handle, in_xla, num_partitions, rows and in_xla))
+    elif not mirrored or multi_worker:  # this replica's own list
+      accumulators.append(RowListAccumulator(
+          slot, variable, own_dtype, handle, local_slot if mirrored else slot,
+          cycle_rows=_cycle_rows(gradient, owner) if multi_worker else None,
+          across_workers=mirrored))
+    else:  # the replicas share the list: its first component holds it
+      first = tf.distribute.get_strategy().experimental_local_results(slot)
+      accumulators.append(RowListAccumulator(
+          slot, variable, own_dtype, handle, first[0], replica))
   return Accumulators(accumulators)
-
-
-def _variable(opt, owner, local, mirrored, kind, gradient, variable, dtype,
-              columns):
-  """(the accumulator's variable, whether this call made it)."""
-  del gradient
-  if local is not None:  # the worker's own, not a slot (`distribute`)
-    name = variable.op.name + '/' + SLOT_OP_NAME
-    if kind == 'list':
-      return local.variable(name, lambda: empty_list(columns, dtype), dtype,
-                            list_of_rows=True), True
-    shape = variable.shape
-    return local.variable(name, lambda: run_time_zeros(shape, dtype),
-                          dtype), True
-  if kind == 'list':
-    return _list_of_rows(variable, columns, dtype, owner, mirrored)
-  return _create_slot(opt, variable, dtype, owner)

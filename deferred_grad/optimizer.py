@@ -100,14 +100,8 @@ class ReplicaPart(object):
     shared_rows: its rows of tables whose list the replicas share, by index.
   """
 
-  def __init__(self, record, var_list, accumulators, gradients, increments,
-               shared_rows):
-    self.record = record
-    self.var_list = list(var_list)
-    self.accumulators = accumulators
-    self.gradients = gradients
-    self.increments = increments
-    self.shared_rows = shared_rows
+  def __init__(self, **fields):
+    vars(self).update(fields)
 
 
 class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
@@ -381,17 +375,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       return built[-1]
     # The op, or a group of it (`tf.group` nests its control inputs; a
     # train op's own inputs are not searched).
-    found, seen = [], set()
-    pending = [getattr(train_op, 'op', train_op)]
+    found, seen, pending = [], set(), [getattr(train_op, 'op', train_op)]
     while pending:
       op = pending.pop()
-      if op.name in seen:
-        continue
-      seen.add(op.name)
       owners = [record for record in built if op.name in record.op_names]
-      found.extend(record for record in owners
-                   if all(record is not f for f in found))
-      if not owners:
+      found += [record for record in owners if record not in found]
+      if not owners and op.name not in seen:
+        seen.add(op.name)
         pending.extend(op.control_inputs)
     if len(found) == 1:
       return found[0]
@@ -476,7 +466,6 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     replicas = strategy.num_replicas_in_sync
     replica = 0 if replica_context is None else int(tf.get_static_value(
         replica_context.replica_id_in_sync_group) or 0)
-    on_other_jobs = _on_other_jobs(var_list)
     counts_dtype = _counts_dtype(var_list, self._accumulator_dtype)
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
     multi_worker = replicas > 1 and compat.in_multi_worker_mode(strategy)
@@ -486,7 +475,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     scopes = checkpoints.prepare(accumulates)
     with tf.compat.v1.name_scope(name, self._name) as scope:
       # Variables on parameter servers: the state is the worker's own.
-      local = distribute.worker_local(var_list) if on_other_jobs else None
+      local = distribute.worker_local(var_list)
       # Sparse or dense is fixed at graph build, from the gradients' types;
       # a cross-replica sum needs the same shape on every core: dense.
       sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
@@ -545,8 +534,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         with tf.control_dependencies([added]):
           micro_step = tf.group(
               added, *(record.add_counts(increments) if increments else []))
-        part = ReplicaPart(record, var_list, accumulators, gradients,
-                           increments, shared)
+        part = ReplicaPart(record=record, var_list=var_list,
+                           accumulators=accumulators, gradients=gradients,
+                           increments=increments, shared_rows=shared)
 
       # 4. The decision: the TPU path in the replica, the GPU path (the
       # original's: merge_call outside tf.cond) in the cross-replica context.
@@ -785,13 +775,6 @@ def _outermost_graph():
   while getattr(graph, 'outer_graph', None) is not None:
     graph = graph.outer_graph
   return graph
-
-
-def _on_other_jobs(var_list):
-  """True where variables name a job and no strategy places replicas (a
-  parameter-server worker's graph: `distribute.worker_local`)."""
-  return not tf.distribute.has_strategy() and any(
-      tf.DeviceSpec.from_string(v.device or '').job for v in var_list)
 
 
 # ---------------------------------------- what a cycle applies (numerics) --
