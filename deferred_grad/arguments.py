@@ -10,12 +10,39 @@ from deferred_grad import compat
 tf = compat.import_tensorflow()
 
 
-def check_positive_int(value, arg_name):
+def _require(ok, expected, value, error=TypeError):
+  """Returns `value` if `ok`, else raises `error` naming it and its type.
+
+  Args:
+    ok: whether `value` passes.
+    expected: what was expected, led by the argument's name.
+    value: the argument's value.
+    error: the exception class to raise.
+
+  Returns:
+    `value`.
+
+  Raises:
+    `error`: not `ok`.
+  """
+  if not ok:
+    raise error('%s, got %r of type %s.' % (expected, value,
+                                             type(value).__name__))
+  return value
+
+
+def _is_int(value):
+  """True for an int (also a numpy integer), False for a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_positive_int(value, arg_name, expected=None):
   """Returns `value` as an int, or raises naming `arg_name`.
 
   Args:
     value: the argument's value.
     arg_name: its name, for the message.
+    expected: what the message says was expected (default: a positive int).
 
   Returns:
     `value` as an int.
@@ -24,12 +51,9 @@ def check_positive_int(value, arg_name):
     TypeError: not an int (a bool, a float and a string are refused).
     ValueError: not positive.
   """
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError('%s must be a positive int, got %r of type %s.' %
-                    (arg_name, value, type(value).__name__))
-  if value < 1:
-    raise ValueError('%s must be a positive int, got %r.' % (arg_name, value))
-  return int(value)
+  expected = expected or '%s must be a positive int' % arg_name
+  _require(_is_int(value), expected, value)
+  return int(_require(value >= 1, expected, value, ValueError))
 
 
 NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
@@ -58,15 +82,11 @@ def check_grad_steps(grad_steps):
     ValueError: a non-positive int, a tensor that is not a scalar, or a
       constant tensor below 1.
   """
-  if callable(grad_steps) and not tf.is_tensor(grad_steps):
-    return grad_steps
   if tf.is_tensor(grad_steps):
     return check_schedule_value(grad_steps, 'a tensor')
-  if isinstance(grad_steps, bool) or not isinstance(grad_steps,
-                                                    numbers.Integral):
-    raise TypeError('%s; got %r of type %s.' % (
-        _GRAD_STEPS_EXPECTED, grad_steps, type(grad_steps).__name__))
-  return check_positive_int(grad_steps, 'grad_steps')
+  if callable(grad_steps):
+    return grad_steps
+  return check_positive_int(grad_steps, 'grad_steps', _GRAD_STEPS_EXPECTED)
 
 
 def check_schedule_value(value, source):
@@ -83,26 +103,25 @@ def check_schedule_value(value, source):
     TypeError: not of an integer dtype.
     ValueError: not a scalar, or a constant below 1.
   """
-  if isinstance(value, bool) or not (
-      tf.is_tensor(value) or isinstance(value, numbers.Integral)):
-    raise TypeError('%s; %s gave %r of type %s.' % (
-        _GRAD_STEPS_EXPECTED, source, value, type(value).__name__))
+  gave = '%s; %s gave ' % (_GRAD_STEPS_EXPECTED, source)
+  if not (tf.is_tensor(value) or _is_int(value)):
+    raise TypeError(gave + '%r of type %s.' % (value, type(value).__name__))
   value = tf.convert_to_tensor(value)
   if not value.dtype.is_integer:
-    raise TypeError('%s; %s gave a tensor of dtype %s: %r.' % (
-        _GRAD_STEPS_EXPECTED, source, value.dtype.name, value))
+    raise TypeError(gave + 'a tensor of dtype %s: %r.' % (value.dtype.name,
+                                                          value))
   if value.shape.rank not in (None, 0):
-    raise ValueError('%s; %s gave one of shape %s: %r.' % (
-        _GRAD_STEPS_EXPECTED, source, value.shape, value))
+    raise ValueError(gave + 'one of shape %s: %r.' % (value.shape, value))
   constant = tf.get_static_value(value)
   if constant is not None and constant < 1:
-    raise ValueError('%s; %s gave %d.' % (_GRAD_STEPS_EXPECTED, source,
-                                           constant))
+    raise ValueError(gave + '%d.' % constant)
   return value
 
 
 def check_bool(value, arg_name):
   """Returns `value`, or raises a TypeError naming `arg_name`.
+
+  A string such as 'False' is truthy: it is refused rather than guessed at.
 
   Args:
     value: the argument's value.
@@ -114,27 +133,28 @@ def check_bool(value, arg_name):
   Raises:
     TypeError: `value` is not a bool.
   """
-  # A string such as 'False' is truthy: refuse it rather than guess.
-  if not isinstance(value, bool):
-    raise TypeError('%s must be a bool, got %r of type %s.' %
-                    (arg_name, value, type(value).__name__))
-  return value
+  return _require(isinstance(value, bool), arg_name + ' must be a bool', value)
 
 
+# SyncReplicasOptimizer aggregates gradients across workers round by round on
+# the chief and drops stale ones: its rounds would not match the cycles.
 _SYNC_REPLICAS = (
-    'SyncReplicasOptimizer does not compose with GradientAggregationOptimizer: '
-    'it aggregates gradients across workers round by round on the chief and '
-    'drops stale ones, so cycles of micro-batches would not match. On '
-    'parameter servers each worker already accumulates its own micro-batches '
+    'SyncReplicasOptimizer does not compose with GradientAggregationOptimizer '
+    '(its rounds would not match the cycles). On parameter servers each '
+    'worker accumulates its own micro-batches without it '
     '(tools/examples/parameter_server_example.py); for synchronous training '
-    'across workers use MultiWorkerMirroredStrategy '
-    '(tools/examples/multi_worker_example.py).')
+    'use MultiWorkerMirroredStrategy (tools/examples/multi_worker_example.py).')
+
+# The ops by which SyncReplicasOptimizer hands its wrapped optimizer the
+# gradients aggregated across workers.
+_AGGREGATED = ('AccumulatorTakeGradient', 'ResourceAccumulatorTakeGradient',
+               'SparseAccumulatorTakeGradient')
 
 
 def check_optimizer(opt):
   """Raises a TypeError unless `opt` is a `tf.compat.v1.train.Optimizer`.
 
-  `SyncReplicasOptimizer` is refused too (see `check_not_synced`).
+  `SyncReplicasOptimizer` is refused too (see `_SYNC_REPLICAS`).
 
   Args:
     opt: the constructor's `opt`.
@@ -146,33 +166,11 @@ def check_optimizer(opt):
     TypeError: `opt` is not a `tf.compat.v1.train.Optimizer`, or is a
       `SyncReplicasOptimizer`.
   """
-  if not isinstance(opt, tf.compat.v1.train.Optimizer):
-    raise TypeError(
-        'opt must be a tf.compat.v1.train.Optimizer (e.g. '
-        'tf.compat.v1.train.AdamOptimizer), got %r of type %s.' %
-        (opt, type(opt).__name__))
   if isinstance(opt, tf.compat.v1.train.SyncReplicasOptimizer):
     raise TypeError('opt is a ' + _SYNC_REPLICAS)
-  return opt
-
-
-# The ops by which SyncReplicasOptimizer hands its wrapped optimizer the
-# gradients aggregated across workers.
-_AGGREGATED = ('AccumulatorTakeGradient', 'ResourceAccumulatorTakeGradient',
-               'SparseAccumulatorTakeGradient')
-
-
-def check_not_synced(gradients):
-  """Raises a ValueError if `gradients` come from a SyncReplicasOptimizer.
-
-  Args:
-    gradients: the gradients given to `apply_gradients` (None skipped).
-  """
-  for gradient in gradients:
-    tensor = getattr(gradient, 'values', gradient)
-    if tensor is not None and tensor.op.type in _AGGREGATED:
-      raise ValueError('GradientAggregationOptimizer is wrapped by a ' +
-                       _SYNC_REPLICAS)
+  return _require(isinstance(opt, tf.compat.v1.train.Optimizer),
+                  'opt must be a tf.compat.v1.train.Optimizer (e.g. '
+                  'tf.compat.v1.train.AdamOptimizer)', opt)
 
 
 def check_accumulator_dtype(dtype):
@@ -190,15 +188,12 @@ def check_accumulator_dtype(dtype):
   """
   if dtype is None:
     return None
+  expected = 'accumulator_dtype must be None or a float dtype, e.g. tf.float32'
   try:
     dtype = tf.as_dtype(dtype)
   except TypeError:
-    raise TypeError('accumulator_dtype must be None or a float dtype such '
-                    'as tf.float32, got %r.' % (dtype,))
-  if not dtype.is_floating:
-    raise ValueError('accumulator_dtype must be None or a float dtype, '
-                     'got %r.' % (dtype,))
-  return dtype
+    raise TypeError('%s, got %r.' % (expected, dtype))
+  return _require(dtype.is_floating, expected, dtype, ValueError)
 
 
 def check_accumulator_width(dtype, variable):
@@ -212,14 +207,12 @@ def check_accumulator_width(dtype, variable):
     ValueError: `dtype` is neither the variable's dtype nor wider.
   """
   own = variable.dtype.base_dtype
-  if dtype is None or dtype == own or dtype.size > own.size:
-    return
-  raise ValueError(
-      'accumulator_dtype=%s cannot hold the gradients of %s, whose dtype is '
-      '%s: the sum would be kept in less precision than the variable. Pass '
-      'None (the variable\'s dtype) or a wider float dtype, e.g. '
-      'tf.float32 for float16 or bfloat16 variables.' %
-      (dtype.name, variable.name, own.name))
+  if dtype is not None and dtype != own and dtype.size <= own.size:
+    raise ValueError(
+        'accumulator_dtype=%s cannot hold the gradients of %s, whose dtype is '
+        '%s, as precisely: pass None (the variable\'s dtype) or a wider float '
+        'dtype (tf.float32 for float16 or bfloat16 variables).' %
+        (dtype.name, variable.name, own.name))
 
 
 def check_clip_norm(clip_norm):
@@ -229,7 +222,9 @@ def check_clip_norm(clip_norm):
     clip_norm: the constructor's `clip_norm`.
 
   Returns:
-    `clip_norm`, or None for an infinite one.
+    `clip_norm`, or None for an infinite one (no norm exceeds it: no
+    clipping, where tf.clip_by_global_norm would scale by inf * 0, NaN, and
+    train every weight to NaN).
 
   Raises:
     TypeError: neither None nor a real number (a bool is refused).
@@ -237,17 +232,11 @@ def check_clip_norm(clip_norm):
   """
   if clip_norm is None:
     return None
-  if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real):
-    raise TypeError('clip_norm must be None or a positive number, got %r '
-                    'of type %s.' % (clip_norm, type(clip_norm).__name__))
-  if not clip_norm > 0:
-    raise ValueError('clip_norm must be None or a positive number, got '
-                     '%r.' % (clip_norm,))
-  if np.isinf(clip_norm):
-    # No norm exceeds it: no clipping (tf.clip_by_global_norm would scale
-    # by inf * 0, NaN, and train every weight to NaN).
-    return None
-  return clip_norm
+  expected = 'clip_norm must be None or a positive number'
+  _require(isinstance(clip_norm, numbers.Real) and
+           not isinstance(clip_norm, bool), expected, clip_norm)
+  _require(clip_norm > 0, expected, clip_norm, ValueError)
+  return None if np.isinf(clip_norm) else clip_norm
 
 
 def check_graph_mode(method):
@@ -260,16 +249,14 @@ def check_graph_mode(method):
     RuntimeError: eager execution, or inside a `tf.function`.
   """
   if tf.compat.v1.executing_eagerly_outside_functions():
-    if compat.keras_major_version() >= 3:
-      alternative = ('the Keras 3 optimizers of this TensorFlow offer '
-                     'gradient_accumulation_steps there')
-    else:
-      alternative = (
-          'the Keras %d optimizers of this TensorFlow (%s) have no gradient '
-          'accumulation: add up the gradients of a tf.GradientTape '
-          'yourself, or use TensorFlow 2.16 or later, whose Keras 3 '
-          'optimizers take gradient_accumulation_steps' %
-          (compat.keras_major_version(), tf.__version__))
+    keras = compat.keras_major_version()
+    alternative = (
+        'the Keras 3 optimizers of this TensorFlow offer '
+        'gradient_accumulation_steps there' if keras >= 3 else
+        'the Keras %d optimizers of TensorFlow %s have no gradient '
+        'accumulation: sum the gradients of a tf.GradientTape yourself, or '
+        'use TensorFlow 2.16 or later (Keras 3 optimizers take '
+        'gradient_accumulation_steps)' % (keras, tf.__version__))
     raise RuntimeError(
         'GradientAggregationOptimizer.%s needs TensorFlow 1 style graph mode: '
         'call tf.compat.v1.disable_eager_execution() (or '
@@ -290,12 +277,11 @@ def check_cross_replica_sum(apply_crs_to_grad):
   """
   if apply_crs_to_grad and not compat.in_xla_context():
     raise ValueError(
-        'apply_crs_to_grad=True sums the accumulated gradients over TPU '
-        'cores with tf.compat.v1.tpu.cross_replica_sum, which runs only '
-        'inside a TPU computation (TPUEstimator(use_tpu=True), '
-        'tf.compat.v1.tpu.rewrite); this train op is built outside one, for '
-        'a CPU or GPU. Pass apply_crs_to_grad=False there, e.g. '
-        'apply_crs_to_grad=use_tpu with the use_tpu you give TPUEstimator.')
+        'apply_crs_to_grad=True sums the gradients over TPU cores with '
+        'tf.compat.v1.tpu.cross_replica_sum, which runs only inside a TPU '
+        'computation (TPUEstimator(use_tpu=True), tf.compat.v1.tpu.rewrite), '
+        'not in this CPU or GPU train op: pass apply_crs_to_grad=False (e.g. '
+        'apply_crs_to_grad=use_tpu, as given to TPUEstimator).')
 
 
 def check_choice(value, choices, arg_name):
@@ -312,11 +298,10 @@ def check_choice(value, choices, arg_name):
   Raises:
     ValueError: `value` is not one of `choices`.
   """
-  if not any(value is choice or (value is not None and value == choice)
-             for choice in choices):
-    raise ValueError('%s must be one of %s, got %r.' %
-                     (arg_name, choices, value))
-  return value
+  allowed = any(value is choice or (value is not None and value == choice)
+                for choice in choices)
+  return _require(allowed, '%s must be one of %s' % (arg_name, choices),
+                  value, ValueError)
 
 
 def check_micro_batch_weight(micro_batch_weight):
@@ -331,13 +316,12 @@ def check_micro_batch_weight(micro_batch_weight):
   Raises:
     TypeError: neither None, a tensor nor a callable.
   """
-  if not (micro_batch_weight is None or callable(micro_batch_weight) or
-          tf.is_tensor(micro_batch_weight)):
-    raise TypeError(
-        'micro_batch_weight must be None, a scalar tensor (e.g. the '
-        'micro-batch\'s token count) or a callable returning one, got %r of '
-        'type %s.' % (micro_batch_weight, type(micro_batch_weight).__name__))
-  return micro_batch_weight
+  return _require(
+      micro_batch_weight is None or callable(micro_batch_weight) or
+      tf.is_tensor(micro_batch_weight),
+      'micro_batch_weight must be None, a scalar tensor (e.g. the '
+      'micro-batch\'s token count) or a callable returning one',
+      micro_batch_weight)
 
 
 _WEIGHT_EXPECTED = ('micro_batch_weight must be a finite number >= 0 (e.g. '
@@ -401,11 +385,10 @@ def check_weight_value(weight, nonfinite_policy):
   """
   if weight is None or compat.in_xla_context():
     return []
-  valid = weight >= 0
-  if nonfinite_policy:
-    valid = tf.logical_or(valid, tf.logical_not(tf.math.is_finite(weight)))
-  else:
-    valid = tf.logical_and(valid, tf.math.is_finite(weight))
+  finite = tf.math.is_finite(weight)
+  valid = tf.logical_and(weight >= 0, finite)
+  if nonfinite_policy:  # it skips the micro-batch of a NaN or inf weight
+    valid = tf.logical_or(valid, tf.logical_not(finite))
   return [tf.debugging.Assert(
       valid, ['GradientAggregationOptimizer: %s%s; at this micro-step it is' % (
           _WEIGHT_EXPECTED, ' (a NaN or inf one is skipped by the '
@@ -436,31 +419,31 @@ def check_apply_gradients(grads_and_vars, global_step, name,
       gradient is not convertible to a Tensor or IndexedSlices, or its dtype
       is not its variable's.
     ValueError: no pairs, or every gradient is None; or the gradients come
-      from a `SyncReplicasOptimizer`; or `apply_crs_to_grad=True` outside a
-      TPU computation; or `accumulator_dtype` is narrower than a
-      variable's dtype.
+      from a `SyncReplicasOptimizer` (its ops `_AGGREGATED`); or
+      `apply_crs_to_grad=True` outside a TPU computation; or
+      `accumulator_dtype` is narrower than a variable's dtype.
   """
   check_graph_mode('apply_gradients')
   grads_and_vars = tuple(grads_and_vars)
   if not grads_and_vars:
     raise ValueError('No variables provided.')
-  if global_step is not None and not isinstance(global_step, tf.Variable):
-    raise TypeError('global_step must be None or a tf.Variable, got %r.' %
-                    (global_step,))
-  if name is not None and not isinstance(name, six.string_types):
-    raise TypeError('name must be None or a string, got %r.' % (name,))
+  _require(global_step is None or isinstance(global_step, tf.Variable),
+           'global_step must be None or a tf.Variable', global_step)
+  _require(name is None or isinstance(name, six.string_types),
+           'name must be None or a string', name)
   present = [_checked_pair(index, g, v)
              for index, (g, v) in enumerate(grads_and_vars) if g is not None]
-  check_not_synced([g for g, _ in present])
+  if any(getattr(g, 'values', g).op.type in _AGGREGATED for g, _ in present):
+    raise ValueError('GradientAggregationOptimizer is wrapped by a ' +
+                     _SYNC_REPLICAS)
   if not present:
     raise ValueError('No gradients provided for any variable: %s.' %
                      ([v.name for _, v in grads_and_vars],))
   check_replicas(replica_context, use_tpu)
   check_cross_replica_sum(apply_crs_to_grad)
-  present = sum_duplicates(present)
   for _, variable in present:
     check_accumulator_width(accumulator_dtype, variable)
-  return present
+  return sum_duplicates(present)
 
 
 def _checked_pair(index, gradient, variable):
@@ -487,21 +470,18 @@ def _checked_pair(index, gradient, variable):
   if not isinstance(variable, tf.Variable):
     raise NotImplementedError(
         'grads_and_vars[%d]: apply_gradients updates variables; got %r of '
-        'type %s, which cannot be updated.' %
-        (index, variable, type(variable).__name__))
+        'type %s.' % (index, variable, type(variable).__name__))
   try:
     gradient = tf.compat.v1.convert_to_tensor_or_indexed_slices(gradient)
   except (TypeError, ValueError):
-    raise TypeError(
-        'grads_and_vars[%d]: the gradient of %s must be None or convertible '
-        'to a Tensor or IndexedSlices, got %r.' %
-        (index, variable.name, gradient))
-  if gradient.dtype.base_dtype != variable.dtype.base_dtype:
-    raise TypeError(
-        'grads_and_vars[%d]: the gradient of %s has dtype %s; expected %s, '
-        'the variable\'s.' % (index, variable.name,
-                              gradient.dtype.base_dtype.name,
-                              variable.dtype.base_dtype.name))
+    raise TypeError('grads_and_vars[%d]: the gradient of %s must be None or '
+                    'convertible to a Tensor or IndexedSlices, got %r.' %
+                    (index, variable.name, gradient))
+  dtype, own = gradient.dtype.base_dtype.name, variable.dtype.base_dtype.name
+  if dtype != own:
+    raise TypeError('grads_and_vars[%d]: the gradient of %s has dtype %s; '
+                    'expected %s, the variable\'s.' %
+                    (index, variable.name, dtype, own))
   return gradient, variable
 
 
@@ -520,15 +500,12 @@ def sum_duplicates(pairs):
     A list of (gradient, variable) pairs, each variable once, in the order
     of its first pair.
   """
-  summed = []
+  summed = {}  # by `variable.ref()`, in the order of first insertion
   for gradient, variable in pairs:
-    for index, (other, known) in enumerate(summed):
-      if known is variable:
-        summed[index] = (_add(other, gradient), variable)
-        break
-    else:
-      summed.append((gradient, variable))
-  return summed
+    if variable.ref() in summed:
+      gradient = _add(summed[variable.ref()][0], gradient)
+    summed[variable.ref()] = (gradient, variable)
+  return list(summed.values())
 
 
 def _add(a, b):
@@ -563,30 +540,26 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
     # one cycle (see `distribute.worker_local` for the layout that works).
     raise RuntimeError(
         'GradientAggregationOptimizer does not support %s with parameter '
-        'servers: it would place the accumulators on the ps tasks, shared by '
-        'every worker, and train wrongly. Build the model under '
-        'tf.compat.v1.train.replica_device_setter instead (an Estimator with '
-        'ps tasks in TF_CONFIG and no train_distribute does): each worker '
-        'then accumulates its own micro-batches '
+        'servers (the accumulators would be on the ps tasks, shared by every '
+        'worker): use tf.compat.v1.train.replica_device_setter instead, as an '
+        'Estimator with ps tasks in TF_CONFIG and no train_distribute does '
         '(tools/examples/parameter_server_example.py).' %
         type(strategy).__name__)
   if use_tpu and strategy.num_replicas_in_sync > 1:
     # The TPU path applies inside its tf.cond, where the wrapped optimizer's
     # merge_call (the strategy's all-reduce) cannot run.
     raise ValueError(
-        'use_tpu=True under %s with %d replicas: the TPU path applies inside '
-        'a tf.cond, where the strategy cannot all-reduce the gradients. '
-        'Under a multi-replica tf.distribute strategy use the GPU path, '
-        'use_tpu=False (on TPUs, TPUEstimator(use_tpu=True) with '
-        'GradientAggregationOptimizer(use_tpu=True) and no strategy).' %
+        'use_tpu=True under %s with %d replicas: the TPU path cannot '
+        'all-reduce the gradients inside its tf.cond. Use use_tpu=False '
+        'under a multi-replica strategy (on TPUs, TPUEstimator(use_tpu=True) '
+        'and GradientAggregationOptimizer(use_tpu=True) with no strategy).' %
         (type(strategy).__name__, strategy.num_replicas_in_sync))
   if not use_tpu and replica_context is None:
     raise RuntimeError(
         'GradientAggregationOptimizer.%s (and minimize) must be called in a '
-        'replica context, not in a cross-replica context: under a '
-        'tf.distribute strategy, call it inside the function you pass to '
-        'strategy.extended.call_for_each_replica (or strategy.run), not '
-        'directly under strategy.scope().' % method)
+        'replica context: under a tf.distribute strategy, call it inside the '
+        'function you pass to strategy.extended.call_for_each_replica (or '
+        'strategy.run), not directly under strategy.scope().' % method)
 
 
 def check_name(name):
@@ -601,7 +574,6 @@ def check_name(name):
   Raises:
     TypeError: not a non-empty string.
   """
-  if not isinstance(name, six.string_types) or not name:
-    raise TypeError('name must be a non-empty string (the name scope of the '
-                    'ops apply_gradients makes), got %r.' % (name,))
-  return name
+  return _require(isinstance(name, six.string_types) and name,
+                  'name must be a non-empty string (the name scope of the '
+                  'ops apply_gradients makes)', name)

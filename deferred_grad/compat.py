@@ -39,16 +39,6 @@ _INSTALL_HINT = (
     '`"deferred_grad[tf-cpu]"` for the CPU-only build).')
 
 
-def _parse_version(version):
-  """Returns (major, minor) of a version string such as '2.21.0-rc1'."""
-  match = re.match(r'(\d+)\.(\d+)', version)
-  if not match:
-    raise ImportError(
-        'deferred_grad cannot read the installed TensorFlow version %r; it '
-        'supports TensorFlow %s.' % (version, TESTED_TF_RANGE))
-  return int(match.group(1)), int(match.group(2))
-
-
 def import_tensorflow():
   """Imports TensorFlow and checks that its version is supported.
 
@@ -56,7 +46,8 @@ def import_tensorflow():
     The `tensorflow` module.
 
   Raises:
-    ImportError: TensorFlow is missing or older than 2.15.
+    ImportError: TensorFlow is missing, older than 2.15, or its version
+      does not begin with major.minor (as '2.21.0-rc1' does).
   """
   try:
     import tensorflow  # pylint: disable=g-import-not-at-top
@@ -64,8 +55,9 @@ def import_tensorflow():
     raise ImportError(
         'deferred_grad needs TensorFlow %s, but TensorFlow could not be '
         'imported (%s). %s' % (TESTED_TF_RANGE, e, _INSTALL_HINT))
-  version = _parse_version(tensorflow.__version__)
-  if version < MIN_TF_VERSION:
+  match = re.match(r'(\d+)\.(\d+)', tensorflow.__version__)
+  version = match and (int(match.group(1)), int(match.group(2)))
+  if not version or version < MIN_TF_VERSION:
     raise ImportError(
         'deferred_grad needs TensorFlow %s; found TensorFlow %s. %s' %
         (TESTED_TF_RANGE, tensorflow.__version__, _INSTALL_HINT))
@@ -168,14 +160,6 @@ def handles(variables):
   return [None if is_ref_variable(v) else v.handle for v in variables]
 
 
-def replica_index():
-  """This replica's index in its sync group (0 outside a replica context)."""
-  context = tf.distribute.get_replica_context()
-  if context is None:
-    return 0
-  return int(tf.get_static_value(context.replica_id_in_sync_group) or 0)
-
-
 def local_variables(variables):
   """The variables a replica updates: its own components of mirrored ones.
 
@@ -190,7 +174,9 @@ def local_variables(variables):
     A list, in the order of `variables`.
   """
   strategy = tf.distribute.get_strategy()
-  replica = replica_index()
+  context = tf.distribute.get_replica_context()
+  replica = 0 if context is None else int(
+      tf.get_static_value(context.replica_id_in_sync_group) or 0)
   # A worker's components are its own replicas': across workers the id in
   # the sync group is worker * replicas per worker + the local index.
   return [components[replica % len(components)] for components in
@@ -208,10 +194,8 @@ def in_multi_worker_mode(strategy):
     A bool.
   """
   resolver = strategy.cluster_resolver
-  if resolver is None:
-    return False
-  return sum(len(tasks) for tasks in
-             resolver.cluster_spec().as_dict().values()) > 1
+  return resolver is not None and sum(
+      len(tasks) for tasks in resolver.cluster_spec().as_dict().values()) > 1
 
 
 # ------------------------------------------------------- private names --
@@ -270,6 +254,5 @@ def plain_global_step_read(global_step):
     with graph.name_scope(global_step.op.name + '/'):
       read_value = tf.identity(local_variables([global_step])[0].read_value(),
                                name='plain_read')
-  del reads[:], cached[:]
-  reads.append(read_value)
-  cached.append(read_value)
+  reads[:] = [read_value]
+  cached[:] = [read_value]

@@ -144,7 +144,8 @@ def summed_counts(distribution, counts, over_tpu_cores, length=None):
 
   Returns:
     (a list of the summed counts, the number of replicas (a number, or a
-    scalar over TPU cores), [ops to run before applying]).
+    scalar over TPU cores), [ops to run before applying]: at most an op
+    failing unless every replica's cycle has this `length`).
   """
   replicas = 1 if distribution is None else distribution.num_replicas_in_sync
   if distribution is not None:  # one all-reduce: one vector
@@ -152,34 +153,20 @@ def summed_counts(distribution, counts, over_tpu_cores, length=None):
                                  axis=None)
   counts = tf.unstack(counts)
   checks = []
-  if length is not None:
-    checks.append(check_agreed(counts.pop(), replicas, length))
+  if length is not None:  # the sum over replicas of each one's length
+    total = counts.pop()
+    checks.append(tf.debugging.Assert(
+        tf.equal(total, replicas * tf.cast(length, total.dtype)),
+        ['GradientAggregationOptimizer: the workers disagree on the cycle\'s '
+         'length: grad_steps (a schedule) gave', length, 'here; the sum over',
+         replicas, 'replicas is', total, '. Give grad_steps the same value on '
+         'every worker: a constant, or a callable of the updates applied '
+         '(tools/examples/schedule_example.py).']))
   if over_tpu_cores:
     crs = tf.compat.v1.tpu.cross_replica_sum
     counts = tf.unstack(crs(tf.stack(counts))) if counts else []
     replicas = replicas * crs(tf.constant(1.0))
   return counts, replicas, checks
-
-
-def check_agreed(total, replicas, length):
-  """An op failing unless every replica's cycle has this `length`.
-
-  Args:
-    total: the sum over replicas of each one's length (a float scalar).
-    replicas: the number of replicas.
-    length: this worker's length (int64).
-
-  Returns:
-    The `tf.debugging.Assert` op.
-  """
-  return tf.debugging.Assert(
-      tf.equal(total, replicas * tf.cast(length, total.dtype)),
-      ['GradientAggregationOptimizer: the workers of this '
-       'MultiWorkerMirroredStrategy disagree on the cycle\'s length: '
-       'grad_steps (a schedule) gave', length, 'here, but the sum over the',
-       replicas, 'replicas is', total, '. Give grad_steps a value that is '
-       'the same on every worker: a constant, or a callable of the updates '
-       'applied (tools/examples/schedule_example.py).'])
 
 
 class MidCycleRestart(object):
@@ -223,9 +210,8 @@ class MidCycleRestart(object):
       warn = tf.print(*[
           'WARNING: GradientAggregationOptimizer: this session started '
           'mid-cycle, at micro-step', in_cycle, 'of its cycle'] + step + [
-          'under MultiWorkerMirroredStrategy, as after '
-          'restoring a checkpoint written mid-cycle, which holds only the '
-          'saving worker\'s part of the cycle. Every worker drops this '
+          'under MultiWorkerMirroredStrategy (a checkpoint written mid-cycle '
+          'holds only the saving worker\'s part): every worker drops this '
           'cycle (its apply step only resets) and trains on from the next.'])
       with tf.control_dependencies([warn]):
         return self._dropped.enqueue(True)
@@ -239,7 +225,7 @@ class MidCycleRestart(object):
     """On an apply step: whether the cycle is kept (and unmarks it).
 
     Args:
-      after: ops to run first (see `check_agreed`).
+      after: ops to run first (see `summed_counts`).
 
     Returns:
       A boolean scalar tensor: False where this session started mid-cycle
@@ -270,31 +256,6 @@ def _job(device):
   return tf.DeviceSpec.from_string(device or '').job
 
 
-def worker_device(var_list):
-  """The worker's device when `var_list` lives on other jobs, else None.
-
-  Call it where `apply_gradients` builds its ops: their device (set by
-  `replica_device_setter`) is the worker's.
-
-  Args:
-    var_list: the variables that receive gradients.
-
-  Returns:
-    A device string such as '/job:worker/task:1', or None.
-  """
-  if tf.distribute.has_strategy():
-    return None  # tf.distribute strategies place replicas themselves
-  variable_jobs = {_job(v.device) for v in var_list} - {None}
-  if not variable_jobs:
-    return None  # one process: no probe op in the graph
-  probe = tf.constant(0, name='placement_probe')
-  here = probe.op.device
-  job = _job(here)
-  if job and variable_jobs - {job}:
-    return here
-  return None
-
-
 def initialized_check(local, state_variables):
   """[An op failing a micro-step whose worker-local state is uninitialized].
 
@@ -315,25 +276,33 @@ def initialized_check(local, state_variables):
   first = state_variables[0]
   return [tf.debugging.Assert(
       tf.compat.v1.is_variable_initialized(first),
-      ['GradientAggregationOptimizer: on a parameter-server worker the '
-       'accumulators and counters are local variables of the worker (%s '
-       'is one): run tf.compat.v1.local_variables_initializer() in this '
-       'session besides global_variables_initializer() '
-       '(MonitoredTrainingSession and Estimator run both).' %
-       first.op.name])]
+      ['GradientAggregationOptimizer: on a parameter-server worker, %s and '
+       'the other accumulators and counters are local variables of the '
+       'worker: run tf.compat.v1.local_variables_initializer() too '
+       '(MonitoredTrainingSession and Estimator do).' % first.op.name])]
 
 
 def worker_local(var_list):
   """Where the wrapper's state goes on a parameter-server worker.
 
+  Call it where `apply_gradients` builds its ops: their device (set by
+  `replica_device_setter`) is the worker's.
+
   Args:
     var_list: the variables the train op updates.
 
   Returns:
-    A `WorkerLocal` where they live on other jobs (the ps), else None.
+    A `WorkerLocal` on the worker's device (such as '/job:worker/task:1')
+    where they live on other jobs (the ps), else None.
   """
-  device = worker_device(var_list)
-  return WorkerLocal(device) if device else None
+  if tf.distribute.has_strategy():
+    return None  # tf.distribute strategies place replicas themselves
+  variable_jobs = {_job(v.device) for v in var_list} - {None}
+  if not variable_jobs:
+    return None  # one process: no probe op in the graph
+  here = tf.constant(0, name='placement_probe').op.device
+  job = _job(here)
+  return WorkerLocal(here) if job and variable_jobs - {job} else None
 
 
 class WorkerLocal(object):
