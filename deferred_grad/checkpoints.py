@@ -2,7 +2,7 @@
 
 The wrapper's own state (accumulators, counters) is recorded in its graph
 (`add_to_state`), and the wrapped optimizer's slots and non-slot variables
-are created where the original created them (`wrapped_vars_scope`,
+are created where the original created them (`prepare`,
 `create_wrapped_slots`), so that the original's checkpoints restore with a
 plain `tf.compat.v1.train.Saver`.
 
@@ -21,12 +21,13 @@ hold them under others:
   of rows per partition (`<table>/part_<n>/GradientAccumulator`).
 
 `Saver` restores each variable from its own name where the checkpoint has
-it, else from the first of its other names that it has (`add_aliases`,
-`add_source`), else starts the wrapper's state afresh; and it writes each
-renamed variable under its name without the wrapper too, so that a graph
-without the wrapper restores its checkpoints with a plain Saver. The graph's
-default saver (`tf.compat.v1.GraphKeys.SAVERS`, which MonitoredTrainingSession
-and Estimator use when given none) is one (`register_default_saver`).
+it, else from the first of its other names that it has
+(`create_wrapped_slots`, `add_source`), else starts the wrapper's state
+afresh; and it writes each renamed variable under its name without the
+wrapper too, so that a graph without the wrapper restores its checkpoints
+with a plain Saver. The graph's default saver
+(`tf.compat.v1.GraphKeys.SAVERS`, which MonitoredTrainingSession and
+Estimator use when given none) is one (`prepare`).
 
 The records live in graph collections under tuple keys, as TensorFlow's
 variable store does: they are not serialized into meta graphs.
@@ -80,27 +81,6 @@ def add_restore_fixup(op):
     op.graph.add_to_collection(_FIXUPS, op)
 
 
-def state_variables(graph):
-  """The wrapper state variables created in `graph` (see `add_to_state`)."""
-  return list(graph.get_collection(_STATE))
-
-
-def add_aliases(variable, without_wrapper, others):
-  """Records other names under which a checkpoint may hold `variable`.
-
-  Args:
-    variable: a variable of the wrapped optimizer (a non-slot variable).
-    without_wrapper: its name in a graph without the wrapper, under which
-      `Saver` also writes it.
-    others: more names, in order of preference.
-  """
-  names = [name for name in [without_wrapper] + list(others)
-           if name != variable.op.name]
-  if names:
-    variable.graph.add_to_collection(_ALIASES,
-                                     (variable, without_wrapper, names))
-
-
 def add_source(variable, key, slice_spec):
   """Records that the original's checkpoints hold `variable` as a slice.
 
@@ -120,12 +100,11 @@ def _names(var_list):
 
 def slice_spec(variable):
   """The slice spec under which Savers write a partition (or '' if none)."""
-  for specs in _names([variable]).values():
-    if isinstance(specs, list):  # a partition: a list of slices
-      for saveable in saveable_object_util.saveable_objects_for_op(
-          specs, variable.op.name):
-        return saveable.specs[0].slice_spec
-  return ''
+  specs = list(_names([variable]).values())[0]
+  if not isinstance(specs, list):  # a partition is a list of slices
+    return ''
+  return next(saveable_object_util.saveable_objects_for_op(
+      specs, variable.op.name)).specs[0].slice_spec
 
 
 def save_name(variable):
@@ -185,77 +164,17 @@ class _SavedTensor(saveable_object.SaveableObject):
     return tf.no_op()
 
 
-def _check_settings(records, now, save_path, keys, afresh):
-  """Raises if the restored state would apply a cycle wrongly.
-
-  Args:
-    records: this graph's settings records (`record_settings`).
-    now: their tensors' values, run after the restore.
-    save_path: the checkpoint restored.
-    keys: the names in it.
-    afresh: whether the wrapper's state was started afresh.
-
-  Raises:
-    ValueError: a train op's checkpoint is mid-cycle, and its grad_steps
-      differs, or its weights or policy are gone; or the restored
-      `global_step` places a train op mid-cycle without its partial sums.
-  """
-  for (key, _, values, policies), current in zip(records, now):
-    saved = None
-    if key in keys and not afresh:
-      saved = [int(v) for v in tf.train.load_variable(save_path, key)]
-    for index in range(3 if saved and saved[3] else 0):
-      # Weights or a policy added: their counts are not in the checkpoint,
-      # and the Saver has started the cycle afresh.
-      if saved[index] != values[index] and (index == 0 or not values[index]):
-        raise ValueError(
-            'deferred_grad.Saver: checkpoint %s was written at micro-step %d '
-            'of a cycle, with %s; this graph\'s train op has %s, which would '
-            'apply that partial cycle\'s sums wrongly. Restore it with the '
-            'settings it was written with and change them at a cycle '
-            'boundary (from a checkpoint written on an apply step)%s.' % (
-                save_path, saved[3], _describe(index, saved[index], policies),
-                _describe(index, values[index], policies),
-                '' if index else '; to change grad_steps at any step, give '
-                'it as a tensor (tf.constant(n)): a schedule\'s cycle keeps '
-                'the length it began with'))
-    place = int(current[3])
-    if place and (afresh or (saved and saved[0] != values[0])):
-      # An int cycle counted on global_step: no counter to start afresh.
-      raise ValueError(
-          'deferred_grad.Saver: after restoring %s, global_step places a '
-          'train op with grad_steps=%d at micro-step %d of its cycle, but the '
-          'checkpoint holds no partial sums for that cycle (%s): it would '
-          'apply fewer micro-batches than grad_steps, divided by grad_steps. '
-          'Restore a checkpoint whose global_step is a multiple of %d, or '
-          'give grad_steps as a tensor (tf.constant(%d)): a schedule counts '
-          'its cycle in counters of its own, which start afresh.' % (
-              save_path, values[0], place,
-              'it has no accumulators for it' if afresh else
-              'it was written with %s' % _describe(0, saved[0], policies),
-              values[0], values[0]))
-
-
 def prepare(in_cond):
-  """Makes `Saver` the graph's default saver (`register_default_saver`).
+  """Makes a `Saver` the graph's default saver, unless it has one, and
+  returns where the wrapped optimizer's non-slot variables go.
 
-  Call it before opening the wrapper's name scope.
-
-  Args:
-    in_cond: whether the wrapped optimizer applies inside the cycle's
-      `tf.cond`, where the original named its non-slot variables.
-
-  Returns:
-    `wrapped_vars_scope(in_cond)`: (the absolute name scope of the wrapped
-    optimizer's non-slot variables, the caller's absolute scope).
-  """
-  with tf.init_scope():
-    register_default_saver(tf.compat.v1.get_default_graph())
-  return wrapped_vars_scope(in_cond)
-
-
-def wrapped_vars_scope(in_cond):
-  """Returns where the wrapped optimizer's non-slot variables go.
+  MonitoredTrainingSession (its Scaffold), Estimator and Supervisor save
+  with the saver in `tf.compat.v1.GraphKeys.SAVERS`, and make a plain one
+  where the collection is empty. This one is made as they would make theirs
+  (sharded, relative paths, built when the session is made, the 5 newest
+  kept: RunConfig's default). A model_fn is not handed an Estimator's saver
+  settings by any public API; one that sets `keep_checkpoint_max` returns
+  its own (README "Checkpoints").
 
   The original called the wrapped `apply_gradients` inside a `tf.cond`, and
   optimizers name their non-slot variables (Adam's `beta1_power`, ...) after
@@ -265,12 +184,19 @@ def wrapped_vars_scope(in_cond):
   it before opening the wrapper's name scope.
 
   Args:
-    in_cond: whether the wrapped optimizer applies inside the `tf.cond`.
+    in_cond: whether the wrapped optimizer applies inside the cycle's
+      `tf.cond`, where the original named its non-slot variables.
 
   Returns:
-    (absolute scope for them, the caller's absolute scope), each '' or
-    ending in '/'.
+    (the absolute name scope of the wrapped optimizer's non-slot variables,
+    the caller's absolute scope), each '' or ending in '/'.
   """
+  with tf.init_scope():  # the graph of the train op
+    graph = tf.compat.v1.get_default_graph()
+    if not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
+      graph.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, Saver(
+          sharded=True, allow_empty=True, defer_build=True,
+          save_relative_paths=True))
   graph = tf.compat.v1.get_default_graph()
   caller = graph.get_name_scope()
   caller = caller + '/' if caller else ''
@@ -284,15 +210,16 @@ def wrapped_vars_scope(in_cond):
 def create_wrapped_slots(opt, var_list, scopes, wrapper):
   """Creates the wrapped optimizer's slots and non-slot variables.
 
-  Records each new non-slot variable's names in a checkpoint written
-  without the wrapper or in the other graph behaviour (`add_aliases`), and
-  restores into it what an object-based checkpoint restore of `wrapper`
-  (which shows them as its own) left for it.
+  Records each new non-slot variable's other names, under which a
+  checkpoint written without the wrapper or in the other graph behaviour
+  holds it (the first, its name without the wrapper, `Saver` also writes
+  it under), and restores into it what an object-based checkpoint restore
+  of `wrapper` (which shows them as its own) left for it.
 
   Args:
     opt: the wrapped optimizer.
     var_list: the variables it will update.
-    scopes: what `wrapped_vars_scope` returned.
+    scopes: what `prepare` returned.
     wrapper: the `GradientAggregationOptimizer`.
   """
   # pylint: disable=protected-access
@@ -302,40 +229,22 @@ def create_wrapped_slots(opt, var_list, scopes, wrapper):
     opt._create_slots(var_list)
   new = [(key, variable) for (key, _), variable in opt._non_slot_dict.items()
          if id(variable) not in before]
-  for key, variable in new:  # restored (object-based) before they were made
+  for key, variable in new:
+    # Restored (object-based) before it was made.
     wrapper._handle_deferred_dependencies(name=key, trackable=variable)
-  for _, variable in new:
     name = variable.op.name
-    if not name.startswith(scope):
-      continue
-    base = name[len(scope):]
-    # Without the wrapper; inside its v2 branch; inside its v1 branch.
-    add_aliases(variable, caller + base, [base, caller + 'cond/' + base])
-
-
-def register_default_saver(graph):
-  """Makes a `Saver` the graph's default saver, unless it has one.
-
-  MonitoredTrainingSession (its Scaffold), Estimator and Supervisor save
-  with the saver in `tf.compat.v1.GraphKeys.SAVERS`, and make a plain one
-  where the collection is empty. This one is made as they would make theirs
-  (sharded, relative paths, built when the session is made, the 5 newest
-  kept: RunConfig's default). A model_fn is not handed an Estimator's saver
-  settings by any public API; one that sets `keep_checkpoint_max` returns
-  its own (README "Checkpoints").
-
-  Args:
-    graph: the `tf.Graph` of the train op.
-  """
-  if not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
-    graph.add_to_collection(
-        tf.compat.v1.GraphKeys.SAVERS,
-        Saver(sharded=True, allow_empty=True, defer_build=True,
-              save_relative_paths=True))
+    if name.startswith(scope):
+      base = name[len(scope):]
+      # Without the wrapper; inside its v2 branch; inside its v1 branch.
+      bare = caller + base
+      names = [n for n in (bare, base, caller + 'cond/' + base) if n != name]
+      variable.graph.add_to_collection(_ALIASES, (variable, bare, names))
 
 
 class _Restore(object):
-  """How the fallback restores one saveable: ops fed a source per spec.
+  """How the fallback restores one saveable: an op fed a source per spec.
+
+  Its `sources`, a string placeholder, is fed [(key, slice spec)] per spec.
 
   Args:
     saveable: a `SaveableObject` of the saver's list.
@@ -343,24 +252,16 @@ class _Restore(object):
   """
 
   def __init__(self, saveable, path):
-    self.saveable = saveable
     self.names = [spec.name for spec in saveable.specs]
     self.slices = [spec.slice_spec for spec in saveable.specs]
-    count = len(saveable.specs)
-    self.source_names = tf.compat.v1.placeholder(tf.string, [count])
-    self.source_slices = tf.compat.v1.placeholder(tf.string, [count])
+    self.sources = tf.compat.v1.placeholder(tf.string, [len(self.names), 2])
     with tf.device(compat.host_device(saveable.device)):
       tensors = tf.raw_ops.RestoreV2(
-          prefix=path, tensor_names=self.source_names,
-          shape_and_slices=self.source_slices,
+          prefix=path, tensor_names=self.sources[:, 0],
+          shape_and_slices=self.sources[:, 1],
           dtypes=[spec.dtype for spec in saveable.specs])
     with tf.device(saveable.device):
       self.op = saveable.restore(tensors, None)
-
-  def feed(self, sources):
-    """The feeds restoring it from `sources`, [(key, slice spec)] per spec."""
-    return {self.source_names: [key for key, _ in sources],
-            self.source_slices: [spec for _, spec in sources]}
 
 
 class Saver(tf.compat.v1.train.Saver):
@@ -407,8 +308,7 @@ class Saver(tf.compat.v1.train.Saver):
   """
 
   def __init__(self, *args, **kwargs):
-    self._built_when_read = False
-    self._built_early = None
+    self._built_when_read, self._built_early = False, None
     super(Saver, self).__init__(*args, **kwargs)
     self._graph_made_in = tf.compat.v1.get_default_graph()
     self._built_when_read = self._built_def is None  # defer_build
@@ -438,8 +338,7 @@ class Saver(tf.compat.v1.train.Saver):
     if self._built_when_read and not self._graph_made_in.finalized:
       with self._graph_made_in.as_default():
         self.build()
-        self._built_early = set(_names(_default_saveables(
-            self._graph_made_in)))
+        self._built_early = set(_names(_default_saveables(self._graph_made_in)))
 
   def save(self, sess, save_path, *args, **kwargs):
     """As `tf.compat.v1.train.Saver.save`; builds a deferred saver first.
@@ -456,8 +355,8 @@ class Saver(tf.compat.v1.train.Saver):
   def build(self):
     """Builds the save and restore ops (as `tf.compat.v1.train.Saver`'s),
     with the train ops' settings and the wrapped optimizer's variables under
-    their names without the wrapper, and the restore ops of each other name
-    a variable may have in a checkpoint."""
+    their names without the wrapper, and (once) the restore ops of each
+    other name a variable may have in a checkpoint."""
     self._built_when_read = False  # the base build reads saver_def
     graph = tf.compat.v1.get_default_graph()
     if self._built_early is not None and self._var_list_given is None and (
@@ -471,9 +370,10 @@ class Saver(tf.compat.v1.train.Saver):
     self._settings = list(graph.get_collection(_SETTINGS))
     self._fixups = list(graph.get_collection(_FIXUPS))
     restored = self._var_list
-    if restored is None or isinstance(restored, (list, tuple)):
-      if restored is None:
-        restored = _default_saveables(graph)
+    if restored is None:
+      restored = _default_saveables(graph)
+    extras = []  # none for a dict of names: saved and restored as given
+    if isinstance(restored, (list, tuple)):
       taken = set(_names(restored))
       extras = [_SavedTensor(tensor, key)
                 for key, tensor, _, _ in self._settings]
@@ -482,36 +382,26 @@ class Saver(tf.compat.v1.train.Saver):
           taken.add(bare)
           extras.append(_SavedTensor(variable.read_value(), bare))
       self._var_list = list(restored) + extras
-      self._extra_names = set(extra.name for extra in extras)
-    else:  # a dict of names: saved and restored as given
-      self._extra_names = set()
+    self._extra_names = set(extra.name for extra in extras)
     super(Saver, self).build()
-    self._build_fallback(graph, restored)
-
-  def _build_fallback(self, graph, restored):
-    """Restore ops fed their sources, for checkpoints lacking some names."""
     if getattr(self, '_fallback', None) is not None:
       return
-    if isinstance(restored, dict):
-      names_to_saveables = dict(restored)
-    else:
-      names_to_saveables = saveable_object_util.op_list_to_dict(
-          list(restored))
+    # The restore ops fed their sources, for checkpoints lacking some names.
+    if not isinstance(restored, dict):
+      restored = saveable_object_util.op_list_to_dict(list(restored))
     self._path = tf.compat.v1.placeholder(tf.string, [])
     self._fallback = [
         _Restore(saveable, self._path) for saveable in
-        saveable_object_util.validate_and_slice_inputs(names_to_saveables)]
-    self._initializers = {}
-    for variable in state_variables(graph):
+        saveable_object_util.validate_and_slice_inputs(restored)]
+    self._initializers = {}  # {save name of a state variable: initializers}
+    for variable in graph.get_collection(_STATE):
       self._initializers.setdefault(save_name(variable), []).append(
           variable.initializer)
-    self._state_names = set(self._initializers)
-    aliases = {}
+    self._aliases = {}
     for variable, _, names in graph.get_collection(_ALIASES):
-      aliases[save_name(variable)] = [(name, '') for name in names]
+      self._aliases[save_name(variable)] = [(name, '') for name in names]
     for variable, key, spec in graph.get_collection(_SOURCES):
-      aliases.setdefault(save_name(variable), []).append((key, spec))
-    self._aliases = aliases
+      self._aliases.setdefault(save_name(variable), []).append((key, spec))
     self._trainable = set(_names(tf.compat.v1.trainable_variables()))
 
   def _sources(self, restore, keys):
@@ -524,15 +414,14 @@ class Saver(tf.compat.v1.train.Saver):
     for key, spec in self._aliases.get(name, ()):
       if key in keys:
         return [(key, spec)]
-    if name in self._trainable or name in self._state_names or (
+    if (name in self._trainable or name in self._initializers or
         restore.slices[0]):
       return None
     # Without the wrapper: a non-slot variable of the optimizer it wrapped
     # (`create_wrapped_slots`), named at the root or in its v1 branch.
-    scope, base = name.rpartition('/')[::2]
-    pattern = re.compile('^(%s/)?(cond(_[0-9]+)?/)?%s$' % (
-        re.escape(scope), re.escape(base)) if scope else
-                         '^(cond(_[0-9]+)?/)?%s$' % re.escape(base))
+    scope, _, base = name.rpartition('/')
+    pattern = re.compile('^(%s)?(cond(_[0-9]+)?/)?%s$' % (
+        re.escape(scope + '/') if scope else '', re.escape(base)))
     found = [key for key in keys if pattern.match(key) and key != name]
     return [(found[0], '')] if len(found) == 1 else None
 
@@ -563,16 +452,14 @@ class Saver(tf.compat.v1.train.Saver):
       # catches this ValueError).
       raise ValueError('The passed save_path is not a valid checkpoint: %s'
                        % (save_path,))
-    wanted = set(name for restore in self._fallback
-                 for name in restore.names)
+    wanted = set(n for restore in self._fallback for n in restore.names)
     if wanted | self._extra_names <= keys:
-      result = super(Saver, self).restore(sess, save_path)
+      super(Saver, self).restore(sess, save_path)
       self._check_settings(sess, save_path, keys, afresh=False)
-      return result
+      return None
     chosen = [(restore, self._sources(restore, keys))
               for restore in self._fallback]
-    state = lambda restore: all(name in self._state_names
-                                for name in restore.names)
+    state = lambda restore: all(n in self._initializers for n in restore.names)
     # Partial sums mean nothing without all of their counters: where any
     # of the wrapper's state is missing, all of it starts afresh.
     afresh = [name for restore, sources in chosen if sources is None and
@@ -583,15 +470,14 @@ class Saver(tf.compat.v1.train.Saver):
         ops.extend(self._initializers[restore.names[0]])
       elif sources is not None:
         ops.append(restore.op)
-        feed.update(restore.feed(sources))
+        feed[restore.sources] = sources
       else:
         missing.extend(restore.names)
     if missing:
       raise tf.errors.NotFoundError(
-          None, None,
-          'deferred_grad.Saver: checkpoint %s lacks %s, under every name '
-          'they could have (the wrapper\'s own state may be missing; these '
-          'may not).' % (save_path, sorted(missing)))
+          None, None, 'deferred_grad.Saver: checkpoint %s lacks %s under '
+          'every name they could have (only the wrapper\'s own state may be '
+          'missing).' % (save_path, sorted(missing)))
     sess.run(ops, feed)
     self._check_settings(sess, save_path, keys, afresh=bool(afresh))
     if afresh:
@@ -602,10 +488,56 @@ class Saver(tf.compat.v1.train.Saver):
     return None
 
   def _check_settings(self, sess, save_path, keys, afresh):
-    """Converts what the restore left in another form, then checks the
-    settings (`_check_settings`)."""
-    if getattr(self, '_fixups', None):
+    """Converts what the restore left in another form, then raises if the
+    restored state would apply a cycle wrongly.
+
+    Args:
+      sess: the session.
+      save_path: the checkpoint restored.
+      keys: the names in it.
+      afresh: whether the wrapper's state was started afresh.
+
+    Raises:
+      ValueError: a train op's checkpoint is mid-cycle, and its grad_steps
+        differs, or its weights or policy are gone; or the restored
+        `global_step` places a train op mid-cycle without its partial sums.
+    """
+    if self._fixups:
       sess.run(self._fixups)
-    records = getattr(self, '_settings', [])
+    records = self._settings
     now = sess.run([tensor for _, tensor, _, _ in records]) if records else []
-    _check_settings(records, now, save_path, keys, afresh)
+    for (key, _, values, policies), current in zip(records, now):
+      saved = None
+      if key in keys and not afresh:
+        saved = [int(v) for v in tf.train.load_variable(save_path, key)]
+      for index in range(3 if saved and saved[3] else 0):
+        # Weights or a policy added: their counts are not in the checkpoint,
+        # and the Saver has started the cycle afresh. A schedule's cycle
+        # keeps the length it began with: its grad_steps may change at any
+        # step.
+        if saved[index] != values[index] and (index == 0 or not values[index]):
+          # The partial cycle's sums would be applied wrongly.
+          raise ValueError(
+              'deferred_grad.Saver: checkpoint %s was written at micro-step '
+              '%d of a cycle with %s; this graph\'s train op has %s. Restore '
+              'it with its settings and change them at a cycle boundary (a '
+              'checkpoint of an apply step)%s.' % (
+                  save_path, saved[3], _describe(index, saved[index], policies),
+                  _describe(index, values[index], policies),
+                  '' if index else '; to change grad_steps at any step, '
+                  'give it as a tensor (tf.constant(n))'))
+      place = int(current[3])
+      if place and (afresh or (saved and saved[0] != values[0])):
+        # An int cycle counted on global_step: no counter to start afresh
+        # (a schedule counts its cycle in counters of its own); it would
+        # apply fewer micro-batches than grad_steps, divided by grad_steps.
+        raise ValueError(
+            'deferred_grad.Saver: after restoring %s, global_step places a '
+            'train op with grad_steps=%d at micro-step %d of its cycle, whose '
+            'partial sums the checkpoint lacks (%s). Restore a checkpoint '
+            'whose global_step is a multiple of %d, or give grad_steps as a '
+            'tensor (tf.constant(%d)), whose counters start afresh.' % (
+                save_path, values[0], place,
+                'it has no accumulators' if afresh else
+                'it was written with %s' % _describe(0, saved[0], policies),
+                values[0], values[0]))

@@ -45,7 +45,6 @@ from deferred_grad import distribute
 
 tf = compat.import_tensorflow()
 
-COUNTER_NAME = 'update_count'
 SCHEDULE_NAMES = ('micro_step', 'cycle_length', 'applied_updates')
 # Graph collections: [(global step key, whether it decides a cycle)] of the
 # train ops that count a global step; [[records of the n-th train op],
@@ -63,8 +62,7 @@ _TRAIN_OPS = ('deferred_grad', 'train_ops')
 # read of a `StepCycle`'s step, else None) and `checks` (ops failing a
 # micro-step whose schedule gave a bad length: every write waits for them).
 Position = collections.namedtuple(
-    'Position',
-    ['in_cycle', 'length', 'is_end', 'updates', 'step', 'checks'])
+    'Position', 'in_cycle length is_end updates step checks')
 
 
 def _acquire_lock():
@@ -78,14 +76,7 @@ def _acquire_lock():
   task (a parameter-server worker: the worker's own).
   """
   with tf.device('/device:CPU:0'):
-    mutex = tf.raw_ops.MutexV2(name='run_lock')
-    return tf.raw_ops.MutexLock(mutex=mutex)
-
-
-def _count_on(step):
-  """Adds one micro-step to a global step: locked, as workers sharing it on
-  a parameter server may add at once."""
-  return step.assign_add(1, use_locking=True, read_value=False)
+    return tf.raw_ops.MutexLock(mutex=tf.raw_ops.MutexV2(name='run_lock'))
 
 
 class StepCycle(object):
@@ -115,20 +106,15 @@ class StepCycle(object):
         the cycle is decided on its own counter, the updates applied are
         taken as `global_step // grad_steps` (`applied_updates`).
     """
-    if self.step is None:  # grad_steps=1: every micro-step is an update
-      updates = None
-      if global_step is not None:
-        updates = tf.cast(global_step.read_value(), tf.int64)
+    value = None if self.step is None else self.step.read_value()
+    updates = None
+    if self.counts_global_step or global_step is not None:
+      counted = value if self.counts_global_step else global_step.read_value()
+      updates = tf.math.floordiv(tf.cast(counted, tf.int64), self.grad_steps)
+    if value is None:  # grad_steps=1: every micro-step is an update
       return Position(in_cycle=tf.constant(0, tf.int64), length=1,
                       is_end=True, updates=updates, step=None, checks=[])
-    value = self.step.read_value()
     in_cycle = tf.math.floormod(value, self.grad_steps)
-    updates = None
-    if self.counts_global_step:
-      updates = tf.math.floordiv(tf.cast(value, tf.int64), self.grad_steps)
-    elif global_step is not None:
-      updates = tf.math.floordiv(
-          tf.cast(global_step.read_value(), tf.int64), self.grad_steps)
     return Position(
         in_cycle=tf.cast(in_cycle, tf.int64), length=self.grad_steps,
         is_end=tf.equal(in_cycle, self.grad_steps - 1), updates=updates,
@@ -143,8 +129,8 @@ class StepCycle(object):
     """Counts the micro-step at `position` (its read ordered before)."""
     if self.step is None:
       return tf.no_op()
-    if self.counts_global_step:
-      return _count_on(self.step)
+    if self.counts_global_step:  # locked: see `Record.advance`
+      return self.step.assign_add(1, use_locking=True, read_value=False)
     next_value = tf.math.floormod(position.step + 1, self.grad_steps)
     return self.step.assign(next_value, read_value=False)
 
@@ -186,11 +172,9 @@ class Schedule(object):
       which compiles an Assert into nothing, no check: a value below 1
       counts as 1.
     """
-    if tf.is_tensor(self._grad_steps):
-      value = self._grad_steps
-    else:
-      value = arguments.check_schedule_value(self._grad_steps(updates),
-                                             'the callable')
+    value = self._grad_steps
+    if not tf.is_tensor(value):
+      value = arguments.check_schedule_value(value(updates), 'the callable')
     value = tf.cast(value, tf.int64)
     if compat.in_xla_context() or tf.get_static_value(value) is not None:
       return tf.reshape(value, []), []
@@ -254,16 +238,13 @@ class Record(object):
     counters: the counters: the cycle's, its counts, what a policy skipped.
   """
 
-  def __init__(self, cycle, global_step, counts, skipped,
-               counts_dtype=tf.float32):
+  def __init__(self, cycle, global_step, counts, skipped, counts_dtype):
     self.cycle = cycle
     self.global_step = global_step
     self.counts_dtype = counts_dtype
     self.counts = counts
     self.skipped_micro_batches, self.skipped_cycles = skipped
-    self.position = None
-    self.lock = None
-    self.updated = None
+    self.position = self.lock = self.updated = None
     self.op_names = []
     self.lists = {}
     self.counters = cycle.variables() + [
@@ -311,8 +292,11 @@ class Record(object):
     with tf.control_dependencies([after] + derived):
       advanced = self.cycle.advance(position)
     if self.global_step is not None and not self.cycle.counts_global_step:
-      with tf.control_dependencies([advanced]):  # counted beside the cycle
-        advanced = _count_on(self.global_step)
+      # Counted beside the cycle; locked, as workers sharing the global step
+      # on a parameter server may add at once.
+      with tf.control_dependencies([advanced]):
+        advanced = self.global_step.assign_add(1, use_locking=True,
+                                               read_value=False)
     if self.lock is None:
       return advanced
     with tf.control_dependencies([advanced]), tf.device('/device:CPU:0'):
@@ -346,10 +330,8 @@ class Record(object):
     Returns:
       A list of scalar tensors, in the order of `counts`.
     """
-    if self.counts is None:
-      counts = list(increments)
-    else:
-      counts = [v.read_value() for v in self._local_counts()]
+    counts = list(increments) if self.counts is None else [
+        v.read_value() for v in self._local_counts()]
     return tf.unstack(tf.stack(counts)) if counts else []
 
   def reset_counts(self):
@@ -369,10 +351,9 @@ class Record(object):
     Returns:
       A list of ops (none without a policy).
     """
-    if self.skipped_cycles is None:
-      return []
-    return [total.assign_add(value, read_value=False) for total, value in
-            zip((self.skipped_micro_batches, self.skipped_cycles), skipped)]
+    totals = (self.skipped_micro_batches, self.skipped_cycles)
+    return [total.assign_add(value, read_value=False)
+            for total, value in zip(totals, skipped) if total is not None]
 
   def applies_update(self):
     """Whether a run ends a cycle (see `Position`).
@@ -400,12 +381,12 @@ class Record(object):
       ValueError: an int `grad_steps` without a `global_step`.
     """
     if self.position.updates is None:
+      # A schedule counts its updates itself.
       raise ValueError(
-          'applied_updates(): with an int grad_steps the updates are counted '
-          'by the global_step only, and this train op was built without one. '
-          'Pass global_step to minimize (or apply_gradients), or give '
-          'grad_steps as a schedule (a tensor or a callable), whose train op '
-          'counts its updates itself.')
+          'applied_updates(): this train op has an int grad_steps and no '
+          'global_step to count its updates. Pass global_step to minimize (or '
+          'apply_gradients), or give grad_steps as a schedule (a tensor or a '
+          'callable).')
     return self.position.updates
 
   def variables(self):
@@ -447,8 +428,7 @@ def of_train_op(replica, grad_steps, policy, own_counter, global_step, local,
     ValueError: another wrapper train op counts the `global_step` this one
       decides its cycle on, or the reverse.
   """
-  graph = tf.compat.v1.get_default_graph()
-  train_ops = graph.get_collection_ref(_TRAIN_OPS)
+  train_ops = tf.compat.v1.get_default_graph().get_collection_ref(_TRAIN_OPS)
   if not train_ops:
     train_ops.append(([], {}))
   records, calls = train_ops[0]
@@ -469,11 +449,6 @@ def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
   """
   fixed = isinstance(grad_steps, int)
   accumulates = not (fixed and grad_steps == 1)
-  made = []
-  own = lambda name, dtype, **kwargs: made.append(_own_variable(
-      name, dtype, local=local, **kwargs)) or made[-1]
-  counter = lambda name, dtype: own(
-      name, dtype, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
   if global_step is not None:
     # Under a schedule the train op only counts it (`Schedule`).
     _count_global_step(global_step, fixed and accumulates)
@@ -481,64 +456,65 @@ def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
       compat.plain_global_step_read(global_step)
   skipped = (None, None)
   if policy.nonfinite_policy:
-    skipped = tuple(counter(name, tf.int64)
+    skipped = tuple(_own_variable(name, tf.int64, local)
                     for name in ('skipped_micro_batches', 'skipped_cycles'))
-  if not accumulates:
-    record = Record(StepCycle(1), global_step, None, skipped, counts_dtype)
-  else:
-    counts = {}
+  cycle, counts = StepCycle(1), None
+  if accumulates:
     summed = tf.distribute.get_strategy().num_replicas_in_sync > 1 and (
         not multi_worker)
     with (tf.compat.v1.variable_creator_scope(distribute.summed_on_save)
           if summed else contextlib.nullcontext()):
-      for name in policy.counts:  # saved as their sum over replicas
-        counts[name] = own(name, counts_dtype)
+      # Saved as their sum over replicas.
+      counts = {name: _own_variable(name, counts_dtype, local, counter=False)
+                for name in policy.counts}
     if not fixed:
-      cycle = Schedule(grad_steps, [counter(name, tf.int64)
+      cycle = Schedule(grad_steps, [_own_variable(name, tf.int64, local)
                                     for name in SCHEDULE_NAMES])
     elif own_counter:
-      cycle = StepCycle(grad_steps, counter(COUNTER_NAME, tf.float32))
+      cycle = StepCycle(grad_steps,
+                        _own_variable('update_count', tf.float32, local))
     else:
       cycle = StepCycle(grad_steps, global_step, counts_global_step=True)
-    record = Record(cycle, global_step, counts, skipped, counts_dtype)
-    if local is None:  # see `checkpoints.Saver`
+  record = Record(cycle, global_step, counts, skipped, counts_dtype)
+  if local is None:  # see `checkpoints.Saver`
+    checkpoints.add_to_state(record.counters)
+    if accumulates:
       checkpoints.record_settings(
           grad_steps if fixed else None, policy.weighted,
           policy.nonfinite_policy, arguments.NONFINITE_POLICIES,
           cycle.place())
-  if local is None:
-    checkpoints.add_to_state(made)
   return record
 
 
-def _own_variable(name, dtype, initial_value=0,
-                  aggregation=tf.VariableAggregation.NONE, local=None):
-  """Creates a scalar variable named `name` in the current variable scope.
+def _own_variable(name, dtype, local, counter=True):
+  """Creates a scalar variable named `name` in the current variable scope,
+  initially 0.
 
   Call it under `tf.init_scope()`. The name is made unique in the graph.
 
   Args:
     name: the base name, e.g. 'update_count'.
     dtype: its dtype.
-    initial_value: its initial (and reset) value.
-    aggregation: how a multi-replica strategy aggregates writes.
     local: None (a global variable), or a `distribute.WorkerLocal`.
+    counter: whether a multi-replica strategy takes the first replica's
+      writes (a counter), or aggregates none (a replica's count).
 
   Returns:
     The variable (not trainable).
   """
   scope = tf.compat.v1.get_variable_scope().name
   full_name = scope + '/' + name if scope else name
+  initial_value = lambda: tf.constant(0, dtype)
   if local is not None:
-    return local.variable(full_name, lambda: tf.constant(initial_value, dtype),
-                          dtype)
+    return local.variable(full_name, initial_value, dtype)
   # name_scope(None): the variable scope's name, not the current name
   # scope's, as `tf.compat.v1.get_variable` (the original's) names it; the
   # graph appends _1, _2, ... when the name is taken.
   with tf.compat.v1.name_scope(None):
     return tf.compat.v1.Variable(
-        lambda: tf.constant(initial_value, dtype), dtype=dtype,
-        name=full_name, trainable=False, aggregation=aggregation)
+        initial_value, dtype=dtype, name=full_name, trainable=False,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA if counter
+        else tf.VariableAggregation.NONE)
 
 
 def _count_global_step(global_step, accumulates):
@@ -559,18 +535,16 @@ def _count_global_step(global_step, accumulates):
   """
   counted = tf.compat.v1.get_default_graph().get_collection_ref(
       _COUNTED_STEPS)
-  key = global_step.name
   for other_key, other_accumulates in counted:
-    if other_key == key and (accumulates or other_accumulates):
+    if other_key == global_step.name and (accumulates or other_accumulates):
+      # The others count their cycles in an update_count_N of their own.
       raise ValueError(
           'global_step %s is already counted by another '
-          'GradientAggregationOptimizer train op in this graph. A train op '
-          'with grad_steps > 1 decides its cycle on the global_step it '
-          'counts, so two train ops counting one global_step would apply at '
-          'the wrong micro-steps. Pass global_step to one of them only and '
-          'global_step=None to the others: each of those counts its cycle in '
-          'a variable of its own (update_count_N).' % (global_step.name,))
-  counted.append((key, accumulates))
+          'GradientAggregationOptimizer train op in this graph, and one of '
+          'them decides its cycle on it (grad_steps > 1). Pass global_step '
+          'to one of them only and global_step=None to the others.' % (
+              global_step.name,))
+  counted.append((global_step.name, accumulates))
 
 
 @tf.autograph.experimental.do_not_convert
@@ -619,13 +593,13 @@ def applied_updates(global_step, grad_steps, name=None):
   """
   if tf.is_tensor(grad_steps) or callable(grad_steps):
     raise TypeError(
-        'deferred_grad.applied_updates(global_step, grad_steps) needs an int '
-        'grad_steps, got the schedule %r: under a schedule the updates are '
-        'not a function of global_step; use the wrapper\'s '
-        'applied_updates() method.' % (grad_steps,))
+        'deferred_grad.applied_updates() needs an int grad_steps, got the '
+        'schedule %r, whose updates are not a function of global_step: use '
+        'the wrapper\'s applied_updates() method.' % (grad_steps,))
   grad_steps = arguments.check_positive_int(grad_steps, 'grad_steps')
   with tf.compat.v1.name_scope(name, 'applied_updates', [global_step]):
-    counting = [record for record in _records(global_step.graph)
+    train_ops = global_step.graph.get_collection(_TRAIN_OPS)
+    counting = [record for record in (train_ops[0][0] if train_ops else [])
                 if record.position is not None and
                 record.cycle.grad_steps == grad_steps and
                 getattr(record.global_step, 'name', None) == global_step.name]
@@ -634,8 +608,3 @@ def applied_updates(global_step, grad_steps, name=None):
                      global_step.dtype.base_dtype)
     return tf.math.floordiv(global_step, grad_steps)
 
-
-def _records(graph):
-  """The records of the train ops built in `graph`, in order."""
-  train_ops = graph.get_collection(_TRAIN_OPS)
-  return list(train_ops[0][0]) if train_ops else []
