@@ -477,12 +477,12 @@ def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
       cycle = StepCycle(grad_steps, global_step, counts_global_step=True)
   record = Record(cycle, global_step, counts, skipped, counts_dtype)
   if local is None:  # see `checkpoints.Saver`
-    checkpoints.add_to_state(record.counters)
     if accumulates:
       checkpoints.record_settings(
           grad_steps if fixed else None, policy.weighted,
           policy.nonfinite_policy, arguments.NONFINITE_POLICIES,
           cycle.place())
+    checkpoints.add_to_state(record.counters)
   return record
 
 
