@@ -83,16 +83,6 @@ def run_time_zeros(shape, dtype=tf.float32, partition_info=None):
                           init=True)
 
 
-def _add(variable, handle, value, scale):
-  """variable += scale * value, in place, in one kernel (SGD's, rate
-  -scale): no temporary. `handle`: the variable's, None for a ref one."""
-  if handle is None:
-    return tf.raw_ops.ApplyGradientDescent(var=variable, alpha=-scale,
-                                           delta=value).op
-  return tf.raw_ops.ResourceApplyGradientDescent(var=handle, alpha=-scale,
-                                                 delta=value)
-
-
 def _zero(variable, handle, shared_zeros, in_xla):
   """Sets every element of `variable` to zero in its own buffer; the op.
 
@@ -129,19 +119,11 @@ def _zero(variable, handle, shared_zeros, in_xla):
     # ids would stay for the session's life (8 bytes a row).
     rows = tf.range(tf.compat.v1.placeholder_with_default(
         tf.cast(rows, tf.int64), []))
-  zeroed = tf.compat.v1.scatter_update(variable, rows,
-                                       tf.zeros([], dtype)).op
+  zeroed = tf.compat.v1.scatter_update(variable, rows, tf.zeros([], dtype)).op
   if handle is None:
     return zeroed
   with tf.control_dependencies([zeroed]):
     return tf.raw_ops.DisableCopyOnRead(resource=handle)
-
-
-def _dense(gradient, dtype):
-  """A gradient (Tensor or IndexedSlices) as a dense tensor of `dtype`."""
-  if isinstance(gradient, tf.IndexedSlices):
-    gradient = tf.convert_to_tensor(gradient)
-  return tf.cast(gradient, dtype)
 
 
 def _divided(values, length):
@@ -160,8 +142,8 @@ class DenseAccumulator(object):
   carries the rule, as the micro-steps read nothing).
 
   Args:
-    slot: the accumulator variable.
-    local: this replica's component of it (the slot itself without one).
+    local: this replica's component of the accumulator variable (the
+      variable itself without one).
     handle: `local`'s resource handle, None for a ref variable.
     in_xla: built inside an XLA computation.
     num_partitions: None, or `xla_num_partitions`.
@@ -170,9 +152,8 @@ class DenseAccumulator(object):
 
   shared = False  # each replica its own
 
-  def __init__(self, slot, local, handle, in_xla=False, num_partitions=None,
+  def __init__(self, local, handle, in_xla=False, num_partitions=None,
                rows=False):
-    self.slot = slot
     self.local = local
     self._handle = handle
     self._in_xla = in_xla
@@ -184,7 +165,8 @@ class DenseAccumulator(object):
 
     A table's rows (an IndexedSlices) inside XLA are scatter-added: the cost
     follows the rows looked up; elsewhere (sparse_as_dense) densified.
-    Sharded, the original's `/ length`; else one kernel, times `scale`."""
+    Sharded, the original's `/ length`; else one kernel, SGD's with rate
+    -`scale`, in place: no temporary."""
     dtype = self.local.dtype.base_dtype
     sharded = self._num_partitions is not None
     if self._rows:
@@ -192,11 +174,17 @@ class DenseAccumulator(object):
       values = _divided(values, length) if sharded else values * scale
       return self.local.scatter_add(
           tf.IndexedSlices(values, gradient.indices)).op
-    if not sharded:
-      return _add(self.local, self._handle, _dense(gradient, dtype), scale)
-    current = sharding.shard(self.local.read_value(), self._num_partitions)
-    return self.local.assign(current + _divided(_dense(gradient, dtype),
-                                                length), read_value=False)
+    # (A Tensor converts to itself: no op.)
+    value = tf.cast(tf.convert_to_tensor(gradient), dtype)
+    if sharded:
+      current = sharding.shard(self.local.read_value(), self._num_partitions)
+      return self.local.assign(current + _divided(value, length),
+                               read_value=False)
+    if self._handle is None:
+      return tf.raw_ops.ApplyGradientDescent(var=self.local, alpha=-scale,
+                                             delta=value).op
+    return tf.raw_ops.ResourceApplyGradientDescent(var=self._handle,
+                                                   alpha=-scale, delta=value)
 
   def read(self):
     """The cycle's sum; a sharded table's (added to by rows) with the rule,
@@ -214,11 +202,6 @@ class DenseAccumulator(object):
 
 # ---------------------------------------------------------------- tables --
 
-def ids_of(gradient):
-  """An IndexedSlices' row ids, flat, as int64."""
-  return tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64)
-
-
 def sum_by_id(ids, rows):
   """Adds up the rows of equal ids.
 
@@ -234,28 +217,16 @@ def sum_by_id(ids, rows):
                                               tf.size(unique))
 
 
-def nonzero_rows(value):
-  """The int64 indices of `value`'s rows that are not all zero."""
-  nonzero = tf.not_equal(value, 0)
-  if value.shape.rank > 1:
-    nonzero = tf.reduce_any(nonzero, axis=list(range(1, value.shape.rank)))
-  return tf.reshape(tf.where(nonzero), [-1])
-
-
-def _id_columns(dtype):
-  """Columns of `dtype` that hold a row id (8 bytes) in a list of rows."""
-  return 8 // dtype.size
-
-
 def list_columns(variable, dtype):
   """A `RowListAccumulator`'s columns for `variable` in `dtype`, or None.
 
   None where that kind cannot hold `variable`'s rows: a shape unknown at
-  graph build, or a dtype wider than an id (8 bytes).
+  graph build, or a dtype wider than an id (8 bytes). A row id takes the
+  first `8 // dtype.size` columns.
   """
   if not variable.shape.is_fully_defined() or dtype.size > 8:
     return None
-  return _id_columns(dtype) + variable.shape[1:].num_elements()
+  return 8 // dtype.size + variable.shape[1:].num_elements()
 
 
 def empty_list(columns, dtype):
@@ -269,10 +240,9 @@ def empty_list(columns, dtype):
 def _recorded_length(row, dtype):
   """The int64 that a list's header, `row` (row 0), records in its id
   columns; meaningless for another value, of any shape."""
-  id_columns = _id_columns(dtype)
-  head = tf.concat([tf.reshape(row, [-1]), tf.zeros([id_columns], dtype)], 0)
-  return tf.bitcast(head[:id_columns] if id_columns > 1 else head[0],
-                    tf.int64)
+  columns = 8 // dtype.size  # an int64's
+  head = tf.concat([tf.reshape(row, [-1]), tf.zeros([columns], dtype)], 0)
+  return tf.bitcast(head[:columns] if columns > 1 else head[0], tf.int64)
 
 
 def dense_after_restore(variable):
@@ -299,20 +269,18 @@ def dense_after_restore(variable):
                                     dtype=dtype)
     empty = tf.debugging.Assert(tf.logical_and(
         tf.equal(shape[-1], list_columns(variable, dtype) or -1),
-        tf.equal(_recorded_length(row, dtype), 0)), [(
-            '%s holds a list of the rows looked up, from a checkpoint written '
-            'mid-cycle with sparse_as_dense=False; with sparse_as_dense=True '
-            '(and inside XLA) a table is accumulated densely. Resume that '
-            'checkpoint as it was written, or from one written at a cycle\'s '
-            'end.' % variable.op.name.split('/replica_')[0])])
+        tf.equal(_recorded_length(row, dtype), 0)), [
+            '%s holds a list of the rows looked up (saved mid-cycle with '
+            'sparse_as_dense=False, outside XLA), not a dense sum: resume it '
+            'as written, or from a checkpoint of a cycle\'s end.' %
+            variable.op.name.split('/replica_')[0]])
     with tf.control_dependencies([empty]):
       # Not `assign`, which checks the shape the restore changed.
       return tf.raw_ops.AssignVariableOp(
           resource=variable.handle, validate_shape=False,
           value=run_time_zeros(static, dtype))
 
-  is_dense = tf.reduce_all(tf.equal(shape, tf.constant(static, tf.int64)))
-  return tf.cond(is_dense, tf.no_op, from_list)
+  return tf.cond(tf.reduce_all(tf.equal(shape, static)), tf.no_op, from_list)
 
 
 class RowListAccumulator(object):
@@ -327,7 +295,7 @@ class RowListAccumulator(object):
   [1 + capacity, id columns + row width]. Row 0 is a header: the number n
   of rows listed, an int64 bitcast into the id columns. Rows 1 to n each
   hold an int64 id, its 8 bytes bitcast into the first columns
-  (`_id_columns`), then that row's gradient; the rows after them are free.
+  (`list_columns`), then that row's gradient; the rows after them are free.
   Ids and rows stay in one variable, under the original's name, so that
   every Saver (also one given `tf.compat.v1.global_variables()`) saves the
   partial sums, and the original's checkpoints (a dense accumulator under
@@ -359,14 +327,14 @@ class RowListAccumulator(object):
   (`distribute.of_fixed_length`), and nothing else pads.
 
   Args:
-    slot: the list variable, of unknown static row count (`_list_of_rows`).
     variable: the table (or one partition of it).
     dtype: the accumulator's dtype.
     handle: this replica's component's resource handle, None for a ref
       variable.
     listed: the variable its micro-steps write and its apply step reads:
-      `slot`; or this replica's component of a mirrored `slot` (its own,
-      across workers); or its first component (a list the replicas share).
+      the list variable, of unknown static row count (`_list_of_rows`); or
+      this replica's component of a mirrored one (its own, across workers);
+      or its first component (a list the replicas share).
     replica: None where the list is this replica's alone; else this
       replica's index, among replicas that share the list.
     cycle_rows: across workers, the most rows a cycle looks up where known
@@ -375,23 +343,23 @@ class RowListAccumulator(object):
     across_workers: whether the apply step pads its rows (see above).
   """
 
-  def __init__(self, slot, variable, dtype, handle, listed, replica=None,
+  def __init__(self, variable, dtype, handle, listed, replica=None,
                cycle_rows=None, across_workers=False):
-    self.slot = slot
     self.local = listed
     self.shared = replica is not None
     self._first = not replica  # reads and resets the list
     self._dtype = dtype
     self._dense_shape = variable.shape
-    self._id_columns = _id_columns(dtype)
+    self._id_columns = 8 // dtype.size
     self._columns = list_columns(variable, dtype)
+    self._width = self._columns - self._id_columns  # a row's
     self._cycle_rows = cycle_rows
     self._across_workers = across_workers
     self._ref = handle is None
 
   def _pack(self, ids, rows):
     ids = tf.reshape(tf.bitcast(ids, self._dtype), [-1, self._id_columns])
-    rows = tf.reshape(rows, [-1, self._columns - self._id_columns])
+    rows = tf.reshape(rows, [-1, self._width])
     return tf.concat([ids, rows], 1)
 
   def _unpack(self, listed):
@@ -403,8 +371,7 @@ class RowListAccumulator(object):
   def _header(self, length):
     """Row 0 of a list of `length` rows."""
     return self._pack(tf.reshape(length, [1]),
-                      tf.zeros([1, self._columns - self._id_columns],
-                               self._dtype))
+                      tf.zeros([1, self._width], self._dtype))
 
   def _gather(self, listed, indices):
     if self._ref:
@@ -430,9 +397,9 @@ class RowListAccumulator(object):
   def _listed(self, listed, is_list, length):
     """The listed rows; a restored dense accumulator's non-zero rows."""
     def from_dense():
-      dense = tf.reshape(listed.read_value(),
-                         [-1, self._columns - self._id_columns])
-      ids = nonzero_rows(dense)
+      dense = tf.reshape(listed.read_value(), [-1, self._width])
+      nonzero = tf.reduce_any(tf.not_equal(dense, 0), axis=[1])
+      ids = tf.reshape(tf.where(nonzero), [-1])  # of the non-zero rows
       return self._pack(ids, tf.gather(dense, ids))
     return compat.cond(
         is_list, lambda: self._gather(listed, tf.range(1, length + 1)),
@@ -441,11 +408,11 @@ class RowListAccumulator(object):
   def rows(self, gradient, length):
     """The rows looked up (/ `length`), each beside its id: a list's part."""
     rows = _divided(tf.cast(gradient.values, self._dtype), length)
-    return self._pack(ids_of(gradient), rows)
+    return self._pack(tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64),
+                      rows)
 
-  def add(self, gradient, length, scale=None):
+  def add(self, gradient, length, unused_scale=None):
     """Appends the rows looked up (/ `length`); shared: see `append`."""
-    del scale
     if self.shared:
       return tf.no_op()
     return self.append([self.rows(gradient, length)])
@@ -508,21 +475,19 @@ class RowListAccumulator(object):
     rows = tf.reshape(rows, [-1] + self._dense_shape[1:].as_list())
     return tf.IndexedSlices(rows, ids, dense_shape)
 
-  def reset(self, after, shared_zeros=None):
+  def reset(self, after, unused_shared_zeros=None):
     """Empties the list once `after` has run (keeping its room); the op."""
-    del shared_zeros
     with tf.control_dependencies([after]):
       if not self._first:
         return tf.no_op()
       listed = self.local
-      is_list, _, _ = self._state(listed)
       return compat.cond(
-        is_list,
+          self._state(listed)[0],  # a list (else a restored dense one)
           lambda: tf.compat.v1.scatter_update(
               listed, [0], self._header(tf.constant(0, tf.int64))).op,
-          lambda: tf.compat.v1.assign(listed, empty_list(self._columns,
-                                                         self._dtype),
-                                      validate_shape=False).op)
+          lambda: tf.compat.v1.assign(
+              listed, empty_list(self._columns, self._dtype),
+              validate_shape=False).op)
 
 
 # ------------------------------------------------------ one train op's --
@@ -569,12 +534,7 @@ class Accumulators(object):
 
     added = add_all() if finite is None else compat.cond(finite, add_all,
                                                      tf.no_op)
-    return added, self._shared_rows(gradients, length, finite)
-
-  def _shared_rows(self, gradients, length, finite):
-    """{index: rows} for the lists the replicas share: none where `finite`
-    (None: always) is False."""
-    shared = {}
+    shared = {}  # the shared lists' rows: none where `finite` is False
     for index, (accumulator, gradient) in enumerate(
         zip(self._accumulators, gradients)):
       if accumulator.shared:
@@ -582,7 +542,7 @@ class Accumulators(object):
         if finite is not None:  # a skipped micro-step's: no rows
           rows = rows[:tf.shape(rows)[0] * tf.cast(finite, tf.int32)]
         shared[index] = rows
-    return shared
+    return added, shared
 
   def append_shared(self, rows_of_replicas):
     """Appends each replica's rows of the lists the replicas share.
@@ -621,13 +581,11 @@ class Accumulators(object):
     Returns:
       An op.
     """
-    previous = after
-    resets = []
+    resets = [after]  # each after the one before
     shared_zeros = {}  # small accumulators' zeros, one per shape
     for accumulator in self._accumulators:
-      previous = accumulator.reset(previous, shared_zeros)
-      resets.append(previous)
-    return tf.group(*resets)
+      resets.append(accumulator.reset(resets[-1], shared_zeros))
+    return tf.group(*resets[1:])
 
 
 class PassThrough(object):
@@ -678,8 +636,9 @@ class PassThrough(object):
 
 # -------------------------------------------------------------- creation --
 
-def _slot_name(opt, variable, owner, graph):
-  """(slot name, op name) of `owner`'s accumulator of `variable`.
+def _slot_name(opt, variable, owner):
+  """(slot name, op name, whether it is still to make) of `owner`'s
+  accumulator of `variable`.
 
   The first train op to accumulate `variable` through `opt` gets the
   original's names; another train op of the same wrapped optimizer on the
@@ -688,12 +647,12 @@ def _slot_name(opt, variable, owner, graph):
   adding both train ops' micro-batches into one slot would hand each apply
   the other's micro-batches too. The replicas of one train op share it.
   """
-  owners = graph.get_collection(_OWNERS)
+  owners = variable.graph.get_collection(_OWNERS)
   for n in itertools.count():
     suffix = '_%d' % n if n else ''
     slot = opt.get_slot(variable, SLOT_NAME + suffix)
     if slot is None or any(s is slot and o is owner for s, o in owners):
-      return SLOT_NAME + suffix, SLOT_OP_NAME + suffix
+      return SLOT_NAME + suffix, SLOT_OP_NAME + suffix, slot is None
 
 
 def _dense_slot(opt, variable, dtype, owner, local):
@@ -710,12 +669,10 @@ def _dense_slot(opt, variable, dtype, owner, local):
       variable of unknown static shape.
   """
   if local is not None:  # the worker's own, not a slot (`distribute`)
-    shape = variable.shape
     return local.variable(variable.op.name + '/' + SLOT_OP_NAME,
-                          lambda: run_time_zeros(shape, dtype), dtype)
+                          lambda: run_time_zeros(variable.shape, dtype), dtype)
   # pylint: disable=protected-access
-  slot_name, op_name = _slot_name(opt, variable, owner, variable.graph)
-  made = opt.get_slot(variable, slot_name) is None
+  slot_name, op_name, made = _slot_name(opt, variable, owner)
   if variable.shape.is_fully_defined():
     slot = opt._get_or_make_slot_with_initializer(
         variable, run_time_zeros, variable.shape, dtype, slot_name, op_name)
@@ -763,9 +720,8 @@ def _list_of_rows(opt, variable, columns, dtype, owner, local, mirrored):
   if local is not None:  # the worker's own, not saved (`distribute`)
     return local.variable(name, lambda: empty_list(columns, dtype), dtype,
                           list_of_rows=True)
-  key = id(variable)
-  if key in owner.lists:
-    return owner.lists[key]
+  if id(variable) in owner.lists:
+    return owner.lists[id(variable)]
   with contextlib.ExitStack() as stack:
     stack.enter_context(tf.compat.v1.name_scope(None))
     if mirrored:
@@ -774,7 +730,7 @@ def _list_of_rows(opt, variable, columns, dtype, owner, local, mirrored):
     else:
       stack.enter_context(tf.compat.v1.colocate_with(variable))
       initial = lambda: empty_list(columns, dtype)
-    listed = owner.lists[key] = tf.compat.v1.Variable(
+    listed = owner.lists[id(variable)] = tf.compat.v1.Variable(
         initial, dtype=dtype, name=name, trainable=False,
         validate_shape=False, shape=tf.TensorShape(None),
         use_resource=not compat.is_ref_variable(variable))
@@ -851,11 +807,10 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
     columns = list_columns(variable, own_dtype) if table else None
     if table and columns is None:
       raise ValueError(
-          'A sparse gradient (tf.IndexedSlices) of %s, of shape %s and '
-          'accumulator dtype %s: a table\'s accumulator lists the rows looked '
-          'up, which needs a static shape and a dtype of at most 8 bytes. '
-          'Give the variable a static shape, or sparse_as_dense=True.' % (
-              variable.name, variable.shape, own_dtype.name))
+          'A sparse gradient of %s, of shape %s and accumulator dtype %s: '
+          'listing its rows needs a static shape and at most 8 bytes a '
+          'value. Give the variable a static shape, or sparse_as_dense=True.'
+          % (variable.name, variable.shape, own_dtype.name))
     pairs.append((gradient, variable, own_dtype, columns))
   slots = []
   for _, variable, own_dtype, columns in pairs:
@@ -875,14 +830,14 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
       if rows and local is None:
         checkpoints.add_restore_fixup(dense_after_restore(local_slot))
       accumulators.append(DenseAccumulator(
-          slot, local_slot, handle, in_xla, num_partitions, rows and in_xla))
+          local_slot, handle, in_xla, num_partitions, rows and in_xla))
     elif not mirrored or multi_worker:  # this replica's own list
       accumulators.append(RowListAccumulator(
-          slot, variable, own_dtype, handle, local_slot if mirrored else slot,
+          variable, own_dtype, handle, local_slot if mirrored else slot,
           cycle_rows=_cycle_rows(gradient, owner) if multi_worker else None,
           across_workers=mirrored))
     else:  # the replicas share the list: its first component holds it
       first = tf.distribute.get_strategy().experimental_local_results(slot)
       accumulators.append(RowListAccumulator(
-          slot, variable, own_dtype, handle, first[0], replica))
+          variable, own_dtype, handle, first[0], replica))
   return Accumulators(accumulators)
