@@ -31,6 +31,7 @@ cycle, counters, lock), `distribute` (where replicas and workers meet),
 """
 
 import collections
+import functools
 
 from deferred_grad import accumulators as accumulators_lib
 from deferred_grad import arguments
@@ -95,7 +96,6 @@ class ReplicaPart(object):
       replicas).
     var_list: the variables.
     accumulators: their `accumulators.Accumulators` (or `PassThrough`).
-    gradients: the micro-step's weighed gradients.
     increments: the micro-step's counts (`_increments`).
     shared_rows: its rows of tables whose list the replicas share, by index.
   """
@@ -182,8 +182,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         float dtype; `clip_norm` is not positive; `nonfinite_policy` or
         `aggregation` is not one of the choices above.
     """
-    arguments.check_optimizer(opt)
-    grad_steps = arguments.check_grad_steps(grad_steps)
+    self._opt = arguments.check_optimizer(opt)
+    self._grad_steps = arguments.check_grad_steps(grad_steps)
     self._apply_crs_to_grad = arguments.check_bool(apply_crs_to_grad,
                                                    'apply_crs_to_grad')
     self._use_tpu = arguments.check_bool(use_tpu, 'use_tpu')
@@ -192,19 +192,14 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     self._accumulator_dtype = arguments.check_accumulator_dtype(
         accumulator_dtype)
     self._clip_norm = arguments.check_clip_norm(clip_norm)
-    if xla_num_partitions is not None:
-      xla_num_partitions = arguments.check_positive_int(
-          xla_num_partitions, 'xla_num_partitions')
-    self._xla_num_partitions = xla_num_partitions
+    self._xla_num_partitions = None if xla_num_partitions is None else (
+        arguments.check_positive_int(xla_num_partitions, 'xla_num_partitions'))
     self._micro_batch_weight = arguments.check_micro_batch_weight(
         micro_batch_weight)
     self._policy = Policy.checked(nonfinite_policy, aggregation,
                                   micro_batch_weight is not None)
     arguments.check_name(name)
-    super(GradientAggregationOptimizer, self).__init__(use_locking=False,
-                                                       name=name)
-    self._opt = opt
-    self._grad_steps = grad_steps
+    super().__init__(use_locking=False, name=name)
     # The records of the train ops built (`records.Record`): their
     # counters, and the names of the ops that end their runs.
     self._records = []
@@ -361,9 +356,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def _record(self, train_op, any_graph=False):
     """The record (`records.Record`) of `train_op` in this graph."""
     graph = _outermost_graph()
-    built = [record for record in self._records
-             if record.position is not None and
-             record.position.in_cycle.graph is graph]
+    built = [record for record in self._records if record.position is not None
+             and record.position.in_cycle.graph is graph]
     if any_graph and not built:
       built = self._records
     if not built:
@@ -387,9 +381,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       return found[0]
     raise ValueError(
         'train_op=%r %s: pass the op minimize or apply_gradients returned (or '
-        'a group of it).' % (train_op, (
-            'groups several train ops of this wrapper' if found else
-            'is not a train op of this wrapper in this graph')))
+        'a group of it).' % (train_op, 'groups several train ops of this '
+                             'wrapper' if found else 'is not a train op of '
+                             'this wrapper in this graph'))
 
   @_not_converted
   def compute_gradients(self, loss, var_list=None, **kwargs):
@@ -450,8 +444,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         negative or not finite; a schedule's constant below 1.
     """
     # The graph's train ops before this one (see `_listed_as_train_op`).
-    train_ops = list(tf.compat.v1.get_collection(
-        tf.compat.v1.GraphKeys.TRAIN_OP))
+    train_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP)
     # 1. Checks; the train op's record and accumulators, made once.
     # grad_steps=1: each micro-step is a cycle, applying its own gradients.
     accumulates = not (isinstance(self._grad_steps, int) and
@@ -483,16 +476,14 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         record = records.of_train_op(
             replica, self._grad_steps, self._policy,
             own_counter=self._use_tpu or global_step is None or (
-                local is not None),
-            global_step=global_step, local=local, counts_dtype=counts_dtype,
-            multi_worker=multi_worker)
-        if accumulates:  # each train op its own (see `accumulators`)
-          accumulators = accumulators_lib.create(
-              self._opt, present, record, sparse, self._accumulator_dtype,
-              self._xla_num_partitions, in_xla, local, multi_worker,
-              replica if replicas > 1 else None)
-        else:
-          accumulators = accumulators_lib.PassThrough(sparse)
+                local is not None), global_step=global_step, local=local,
+            counts_dtype=counts_dtype, multi_worker=multi_worker)
+        # Each train op its own accumulators (see `accumulators`).
+        accumulators = accumulators_lib.create(
+            self._opt, present, record, sparse, self._accumulator_dtype,
+            self._xla_num_partitions, in_xla, local, multi_worker,
+            replica if replicas > 1 else None) if accumulates else (
+                accumulators_lib.PassThrough(sparse))
       if record not in self._records:  # (a wrapper per replica: each)
         self._records.append(record)
         for counter in record.counters:  # restored (object-based) already
@@ -517,10 +508,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
           checks += arguments.check_weight_value(
               weight, self._policy.nonfinite_policy)
         gradients = [g for g, _ in present]
-        finite = None
-        if self._policy.nonfinite_policy:
-          finite = _all_finite(gradients + ([weight] if weight is not None
-                                            else []))
+        finite = (_all_finite(gradients + [weight])
+                  if self._policy.nonfinite_policy else None)
         gradients = _weigh(gradients, weight)
         increments = _increments(self._policy, finite, weight,
                                  record.counts_dtype)
@@ -535,8 +524,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
           micro_step = tf.group(
               added, *(record.add_counts(increments) if increments else []))
         part = ReplicaPart(record=record, var_list=var_list,
-                           accumulators=accumulators, gradients=gradients,
-                           increments=increments, shared_rows=shared)
+                           accumulators=accumulators, increments=increments,
+                           shared_rows=shared)
 
       # 4. The decision: the TPU path in the replica, the GPU path (the
       # original's: merge_call outside tf.cond) in the cross-replica context.
@@ -552,9 +541,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                                       scopes, scope, multi_worker):
     """The GPU path's `merge_call`: `_end_micro_step`, cross-replica."""
     first = distribution.experimental_local_results
-    scopes = tuple(first(s)[0] for s in scopes)
     checkpoints.create_wrapped_slots(self._opt, first(part)[0].var_list,
-                                     scopes, self)
+                                     tuple(first(s)[0] for s in scopes), self)
     with tf.compat.v1.name_scope(first(scope)[0]):
       return self._end_micro_step(distribution, first(micro_step), part,
                                   first(multi_worker)[0])
@@ -597,10 +585,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                            name='updated')
 
     with tf.control_dependencies(list(micro_steps) + marks):
-      updated = compat.cond(record.position.is_end, apply_step,
-                            lambda: tf.constant(False))
-    record.updated = updated
-    op = record.advance(record.position, updated)  # 6.
+      record.updated = compat.cond(record.position.is_end, apply_step,
+                                   lambda: tf.constant(False))
+    op = record.advance(record.position, record.updated)  # 6.
     record.op_names.append(op.name)
     return op
 
@@ -612,52 +599,45 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     Returns:
       (the op, whether it applies: None for always, else a boolean scalar).
     """
-    policy = self._policy
-    parts = _parts(distribution, part)
-    record = parts[0].record
+    record = _parts(distribution, part)[0].record
     length = record.position.length
     # Where workers follow one schedule, its length travels with the counts.
     agree = multi_worker and not isinstance(self._grad_steps, int)
     totals, replicas, checks = {}, (distribution.num_replicas_in_sync if
                                     distribution is not None else 1), []
-    if policy.counts or agree:
+    if self._policy.counts or agree:
       def replica_counts(p):
         counts = p.record.counts_of_cycle(p.increments)
         if agree:
           counts.append(tf.cast(length, counts[0].dtype if counts else
                                 tf.float32))
         return tf.stack(counts)
-      counts = (replica_counts(part) if distribution is None else
-                distribution.extended.call_for_each_replica(
-                    replica_counts, args=(part,)))
+      counts = _on_each_replica(distribution, replica_counts, part)
       counts, replicas, checks = distribute.summed_counts(
           distribution, counts, self._apply_crs_to_grad,
           length if agree else None)
-      totals = dict(zip(policy.counts, counts))
-    decision = _should_apply(policy, totals)  # None: always
-    factor = _factor(policy, totals, replicas, length)
+      totals = dict(zip(self._policy.counts, counts))
+    decision = _should_apply(self._policy, totals)  # None: always
+    factor = _factor(self._policy, totals, replicas, length)
     if restart is not None:  # multi-worker: False on a cycle begun mid-way
       kept = restart.keeps_cycle(after=checks)
       decision = kept if decision is None else tf.logical_and(decision, kept)
-    on_each = lambda apply: self._on_each_replica(distribution, part, length,
-                                                  factor, apply)
+
+    def on_each(apply):
+      applied = _on_each_replica(distribution, lambda p: self._apply_and_reset(
+          p, length, factor, apply), part)
+      return applied if distribution is None else distribution.group(applied)
+
     if decision is None:
       return on_each(True), None
     applied = compat.cond(decision, lambda: on_each(True),
                           lambda: on_each(False))
-    if not policy.nonfinite_policy:
+    if not self._policy.nonfinite_policy:
       return applied, decision
     with tf.control_dependencies([applied]):
       return tf.group(applied, *record.count_skipped(
           (tf.cast(tf.round(totals[NONFINITE]), tf.int64),
            1 - tf.cast(decision, tf.int64)))), decision
-
-  def _on_each_replica(self, distribution, part, length, factor, apply):
-    if distribution is None:  # the TPU path: this replica
-      return self._apply_and_reset(part, length, factor, apply)
-    return distribution.group(distribution.extended.call_for_each_replica(
-        lambda p: self._apply_and_reset(p, length, factor, apply),
-        args=(part,)))
 
   def _apply_and_reset(self, part, length, factor, apply):
     """5. On one replica: applies the cycle's gradient (if `apply`), resets.
@@ -753,19 +733,22 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       counters and tables' lists of rows built in the current graph, sorted
       by name (the dense accumulators are the wrapped optimizer's slots).
     """
-    variables = list(self._opt.variables())
     graph = _outermost_graph()
-    for record in self._records:
-      variables.extend(own for own in record.variables()
-                       if getattr(own, 'graph', None) is graph)
-    return sorted(variables, key=lambda v: v.name)
+    own = [v for record in self._records for v in record.variables()
+           if getattr(v, 'graph', None) is graph]
+    return sorted(list(self._opt.variables()) + own, key=lambda v: v.name)
 
 
 def _parts(distribution, part):
   """Each replica's `ReplicaPart` (one without a strategy: the TPU path)."""
-  if distribution is None:
-    return [part]
-  return distribution.experimental_local_results(part)
+  return ([part] if distribution is None else
+          distribution.experimental_local_results(part))
+
+
+def _on_each_replica(distribution, fn, part):
+  """`fn(part)`: in this replica (the TPU path), else on each replica."""
+  return (fn(part) if distribution is None else
+          distribution.extended.call_for_each_replica(fn, args=(part,)))
 
 
 def _outermost_graph():
@@ -805,9 +788,9 @@ def _map_values(gradient, fn):
 
 def _all_finite(gradients):
   """A boolean scalar: True if no gradient holds a NaN or an inf (an
-  IndexedSlices: in the rows it touches)."""
-  return tf.reduce_all(
-      [tf.reduce_all(tf.math.is_finite(_values(g))) for g in gradients])
+  IndexedSlices: in the rows it touches); None entries are left out."""
+  return tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(g)))
+                        for g in gradients if g is not None])
 
 
 def _weigh(gradients, weight):
@@ -844,9 +827,7 @@ def _should_apply(policy, totals):
     decisions.append(tf.equal(tf.round(totals[NONFINITE]), 0))
   if policy.weighted and policy.aggregation == 'mean':
     decisions.append(totals[WEIGHT] > 0)
-  if not decisions:
-    return None
-  return decisions[0] if len(decisions) == 1 else tf.logical_and(*decisions)
+  return functools.reduce(tf.logical_and, decisions) if decisions else None
 
 
 def _ops_of(fn):
@@ -856,10 +837,8 @@ def _ops_of(fn):
   made = fn()
   if made is None:
     raise TypeError(
-        'once_per_update(train_op, fn): fn returned None; it must return the '
-        'ops it made (an op, a tensor or a list of them), as '
-        'ExponentialMovingAverage.apply returns its op, or they would not run '
-        'under control flow v1.')
+        'once_per_update: fn returned None; return the ops it made (an op, a '
+        'tensor or a list), or they do not run under control flow v1.')
   return tf.group(*tf.nest.flatten(made))
 
 
@@ -894,14 +873,10 @@ def _check_no_summary_made(before, maker='The wrapped optimizer'):
           summary is not known for known in before)]
   if made:
     raise ValueError(
-        '%s made the summaries %s inside the tf.cond that runs once per '
-        'update (GradientAggregationOptimizer applies only at the end of a '
-        'cycle): there a summary cannot be fetched on the other micro-steps '
-        'nor merged (merge_all, which Estimator and MonitoredTrainingSession '
-        'run, would fail). Make the summary outside minimize and '
-        'once_per_update: of the learning rate tensor before passing it to '
-        'the optimizer, or of a variable that the ops run once per update '
-        'assign.' % (maker, made))
+        '%s made the summaries %s inside the tf.cond run once per update: '
+        'they cannot be fetched on other micro-steps nor merged. Make them '
+        'outside minimize and once_per_update: of the learning rate before '
+        'passing it, or of a variable the update assigns.' % (maker, made))
 
 
 def _listed_as_train_op(train_op, before):
@@ -1007,19 +982,17 @@ def _clip_by_global_norm(gradients, clip_norm, whole):
   sum_over_replicas = lambda values: replica_context.all_reduce(
       tf.distribute.ReduceOp.SUM, [_map_values(v, tf.stop_gradient)
                                    for v in values])
-  gradients = list(gradients)
+  gradients = [_summed_by_id(g) if held else g
+               for g, held in zip(gradients, whole)]
   parts = [i for i, held in enumerate(whole) if not held]
   held_whole = [i for i, held in enumerate(whole) if held]
   squares = []
   if parts:  # a table's parts are all-reduced sparse: rows of every replica
-    reduced = sum_over_replicas([gradients[i] for i in parts])
-    for i, value in zip(parts, reduced):
-      gradients[i] = _summed_by_id(value)
+    for i, g in zip(parts, sum_over_replicas([gradients[i] for i in parts])):
+      gradients[i] = _summed_by_id(g)
     squares.append(tf.square(tf.linalg.global_norm(
         [gradients[i] for i in parts])))
   if held_whole:  # held by one replica: the replicas' squares add up to its
-    for i in held_whole:
-      gradients[i] = _summed_by_id(gradients[i])
     squares.append(sum_over_replicas([tf.square(tf.linalg.global_norm(
         [gradients[i] for i in held_whole]))])[0])
   clipped, _ = tf.clip_by_global_norm(gradients, clip_norm,
