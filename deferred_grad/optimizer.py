@@ -381,9 +381,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       return found[0]
     raise ValueError(
         'train_op=%r %s: pass the op minimize or apply_gradients returned (or '
-        'a group of it).' % (train_op, 'groups several train ops of this '
-                             'wrapper' if found else 'is not a train op of '
-                             'this wrapper in this graph'))
+        'a group of it).' % (train_op, (
+            'groups several train ops of this wrapper' if found else
+            'is not a train op of this wrapper in this graph')))
 
   @_not_converted
   def compute_gradients(self, loss, var_list=None, **kwargs):
