@@ -108,8 +108,7 @@ def check_schedule_value(value, source):
     raise TypeError(gave + '%r of type %s.' % (value, type(value).__name__))
   value = tf.convert_to_tensor(value)
   if not value.dtype.is_integer:
-    raise TypeError(gave + 'a tensor of dtype %s: %r.' % (value.dtype.name,
-                                                          value))
+    raise TypeError(gave + 'one of dtype %s: %r.' % (value.dtype.name, value))
   if value.shape.rank not in (None, 0):
     raise ValueError(gave + 'one of shape %s: %r.' % (value.shape, value))
   constant = tf.get_static_value(value)
@@ -139,9 +138,8 @@ def check_bool(value, arg_name):
 # SyncReplicasOptimizer aggregates gradients across workers round by round on
 # the chief and drops stale ones: its rounds would not match the cycles.
 _SYNC_REPLICAS = (
-    'SyncReplicasOptimizer does not compose with GradientAggregationOptimizer '
-    '(its rounds would not match the cycles). On parameter servers each '
-    'worker accumulates its own micro-batches without it '
+    'SyncReplicasOptimizer does not compose with GradientAggregationOptimizer. '
+    'On parameter servers each worker accumulates on its own without it '
     '(tools/examples/parameter_server_example.py); for synchronous training '
     'use MultiWorkerMirroredStrategy (tools/examples/multi_worker_example.py).')
 
@@ -264,26 +262,6 @@ def check_graph_mode(method):
         'tf.function are not supported; %s.' % (method, alternative))
 
 
-def check_cross_replica_sum(apply_crs_to_grad):
-  """Refuses apply_crs_to_grad=True outside a TPU computation.
-
-  `tf.compat.v1.tpu.cross_replica_sum` runs only inside a TPU computation
-  (TPUEstimator(use_tpu=True), `tf.compat.v1.tpu.rewrite`); built for a CPU
-  or GPU it fails at the first `session.run` with "No registered
-  'CrossReplicaSum' OpKernel".
-
-  Raises:
-    ValueError: apply_crs_to_grad=True outside an XLA (TPU) computation.
-  """
-  if apply_crs_to_grad and not compat.in_xla_context():
-    raise ValueError(
-        'apply_crs_to_grad=True sums the gradients over TPU cores with '
-        'tf.compat.v1.tpu.cross_replica_sum, which runs only inside a TPU '
-        'computation (TPUEstimator(use_tpu=True), tf.compat.v1.tpu.rewrite), '
-        'not in this CPU or GPU train op: pass apply_crs_to_grad=False (e.g. '
-        'apply_crs_to_grad=use_tpu, as given to TPUEstimator).')
-
-
 def check_choice(value, choices, arg_name):
   """Returns `value` if it is one of `choices`, or raises naming `arg_name`.
 
@@ -351,9 +329,8 @@ def weight_tensor(micro_batch_weight):
   """
   if micro_batch_weight is None:
     return None
-  weight = (micro_batch_weight() if callable(micro_batch_weight) else
-            micro_batch_weight)
-  weight = tf.convert_to_tensor(weight)
+  weight = tf.convert_to_tensor(micro_batch_weight() if callable(
+      micro_batch_weight) else micro_batch_weight)
   if not (weight.dtype.is_floating or weight.dtype.is_integer):
     raise TypeError('%s; got a tensor of dtype %s: %r.' %
                     (_WEIGHT_EXPECTED, weight.dtype.name, weight))
@@ -440,7 +417,14 @@ def check_apply_gradients(grads_and_vars, global_step, name,
     raise ValueError('No gradients provided for any variable: %s.' %
                      ([v.name for _, v in grads_and_vars],))
   check_replicas(replica_context, use_tpu)
-  check_cross_replica_sum(apply_crs_to_grad)
+  if apply_crs_to_grad and not compat.in_xla_context():
+    # Built for a CPU or GPU, cross_replica_sum would fail at the first
+    # session.run with "No registered 'CrossReplicaSum' OpKernel".
+    raise ValueError(
+        'apply_crs_to_grad=True calls tf.compat.v1.tpu.cross_replica_sum, '
+        'which runs only inside a TPU computation (TPUEstimator(use_tpu=True), '
+        'tf.compat.v1.tpu.rewrite), not on a CPU or GPU: pass '
+        'apply_crs_to_grad=False (or the use_tpu given to TPUEstimator).')
   for _, variable in present:
     check_accumulator_width(accumulator_dtype, variable)
   return sum_duplicates(present)
@@ -540,8 +524,7 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
     # one cycle (see `distribute.worker_local` for the layout that works).
     raise RuntimeError(
         'GradientAggregationOptimizer does not support %s with parameter '
-        'servers (the accumulators would be on the ps tasks, shared by every '
-        'worker): use tf.compat.v1.train.replica_device_setter instead, as an '
+        'servers: use tf.compat.v1.train.replica_device_setter instead, as an '
         'Estimator with ps tasks in TF_CONFIG and no train_distribute does '
         '(tools/examples/parameter_server_example.py).' %
         type(strategy).__name__)

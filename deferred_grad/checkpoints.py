@@ -369,9 +369,8 @@ class Saver(tf.compat.v1.train.Saver):
     self._built_early = None
     self._settings = list(graph.get_collection(_SETTINGS))
     self._fixups = list(graph.get_collection(_FIXUPS))
-    restored = self._var_list
-    if restored is None:
-      restored = _default_saveables(graph)
+    restored = (_default_saveables(graph) if self._var_list is None else
+                self._var_list)
     extras = []  # none for a dict of names: saved and restored as given
     if isinstance(restored, (list, tuple)):
       taken = set(_names(restored))
@@ -397,9 +396,8 @@ class Saver(tf.compat.v1.train.Saver):
     for variable in graph.get_collection(_STATE):
       self._initializers.setdefault(save_name(variable), []).append(
           variable.initializer)
-    self._aliases = {}
-    for variable, _, names in graph.get_collection(_ALIASES):
-      self._aliases[save_name(variable)] = [(name, '') for name in names]
+    self._aliases = {save_name(variable): [(name, '') for name in names]
+                     for variable, _, names in graph.get_collection(_ALIASES)}
     for variable, key, spec in graph.get_collection(_SOURCES):
       self._aliases.setdefault(save_name(variable), []).append((key, spec))
     self._trainable = set(_names(tf.compat.v1.trainable_variables()))
@@ -507,9 +505,8 @@ class Saver(tf.compat.v1.train.Saver):
     records = self._settings
     now = sess.run([tensor for _, tensor, _, _ in records]) if records else []
     for (key, _, values, policies), current in zip(records, now):
-      saved = None
-      if key in keys and not afresh:
-        saved = [int(v) for v in tf.train.load_variable(save_path, key)]
+      saved = None if key not in keys or afresh else [
+          int(v) for v in tf.train.load_variable(save_path, key)]
       for index in range(3 if saved and saved[3] else 0):
         # Weights or a policy added: their counts are not in the checkpoint,
         # and the Saver has started the cycle afresh. A schedule's cycle
@@ -518,10 +515,9 @@ class Saver(tf.compat.v1.train.Saver):
         if saved[index] != values[index] and (index == 0 or not values[index]):
           # The partial cycle's sums would be applied wrongly.
           raise ValueError(
-              'deferred_grad.Saver: checkpoint %s was written at micro-step '
-              '%d of a cycle with %s; this graph\'s train op has %s. Restore '
-              'it with its settings and change them at a cycle boundary (a '
-              'checkpoint of an apply step)%s.' % (
+              'deferred_grad.Saver: checkpoint %s was written at micro-step %d '
+              'of a cycle with %s; this graph\'s train op has %s. Restore it '
+              'with its settings and change them after an apply step%s.' % (
                   save_path, saved[3], _describe(index, saved[index], policies),
                   _describe(index, values[index], policies),
                   '' if index else '; to change grad_steps at any step, '
@@ -531,12 +527,12 @@ class Saver(tf.compat.v1.train.Saver):
         # An int cycle counted on global_step: no counter to start afresh
         # (a schedule counts its cycle in counters of its own); it would
         # apply fewer micro-batches than grad_steps, divided by grad_steps.
+        # A tensor grad_steps (a schedule) starts its counters afresh.
         raise ValueError(
             'deferred_grad.Saver: after restoring %s, global_step places a '
-            'train op with grad_steps=%d at micro-step %d of its cycle, whose '
-            'partial sums the checkpoint lacks (%s). Restore a checkpoint '
-            'whose global_step is a multiple of %d, or give grad_steps as a '
-            'tensor (tf.constant(%d)), whose counters start afresh.' % (
+            'train op with grad_steps=%d at micro-step %d of its cycle, '
+            'without its partial sums (%s). Restore one whose global_step is a '
+            'multiple of %d, or give grad_steps as tf.constant(%d).' % (
                 save_path, values[0], place,
                 'it has no accumulators' if afresh else
                 'it was written with %s' % _describe(0, saved[0], policies),

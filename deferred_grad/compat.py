@@ -250,9 +250,8 @@ def plain_global_step_read(global_step):
   reads = graph.get_collection_ref(('deferred_grad', 'plain_reads'))
   if cached and reads and cached[0] is reads[0]:
     return
-  with tf.init_scope(), graph.name_scope(None):
-    with graph.name_scope(global_step.op.name + '/'):
-      read_value = tf.identity(local_variables([global_step])[0].read_value(),
-                               name='plain_read')
-  reads[:] = [read_value]
-  cached[:] = [read_value]
+  # An absolute name scope (ending in '/'): the variable's, not the caller's.
+  with tf.init_scope(), graph.name_scope(global_step.op.name + '/'):
+    read_value = tf.identity(local_variables([global_step])[0].read_value(),
+                             name='plain_read')
+  reads[:] = cached[:] = [read_value]

@@ -201,18 +201,17 @@ class MidCycleRestart(object):
       An op (a warning printed and the cycle marked as dropped, where it is
       mid-cycle; else nothing).
     """
-    in_cycle = position.in_cycle
     first = tf.equal(self._started.size(), 0)
-    mid_cycle = tf.logical_and(first, tf.not_equal(in_cycle, 0))
+    mid_cycle = tf.logical_and(first, tf.not_equal(position.in_cycle, 0))
 
     def mark():
       step = [] if position.step is None else ['(step', position.step, ')']
-      warn = tf.print(*[
+      warn = tf.print(
           'WARNING: GradientAggregationOptimizer: this session started '
-          'mid-cycle, at micro-step', in_cycle, 'of its cycle'] + step + [
+          'mid-cycle, at micro-step', position.in_cycle, 'of its cycle', *step,
           'under MultiWorkerMirroredStrategy (a checkpoint written mid-cycle '
           'holds only the saving worker\'s part): every worker drops this '
-          'cycle (its apply step only resets) and trains on from the next.'])
+          'cycle (its apply step only resets) and trains on from the next.')
       with tf.control_dependencies([warn]):
         return self._dropped.enqueue(True)
 
@@ -250,10 +249,6 @@ class MidCycleRestart(object):
 # micro-batches once per K micro-steps: asynchronous training, like the bare
 # optimizer's, with K times fewer pushes to the parameter servers. A restart
 # loses each worker's partial cycle (at most K - 1 micro-batches each).
-
-
-def _job(device):
-  return tf.DeviceSpec.from_string(device or '').job
 
 
 def initialized_check(local, state_variables):
@@ -297,11 +292,12 @@ def worker_local(var_list):
   """
   if tf.distribute.has_strategy():
     return None  # tf.distribute strategies place replicas themselves
-  variable_jobs = {_job(v.device) for v in var_list} - {None}
+  variable_jobs = {tf.DeviceSpec.from_string(v.device or '').job
+                   for v in var_list} - {None}
   if not variable_jobs:
     return None  # one process: no probe op in the graph
   here = tf.constant(0, name='placement_probe').op.device
-  job = _job(here)
+  job = tf.DeviceSpec.from_string(here or '').job
   return WorkerLocal(here) if job and variable_jobs - {job} else None
 
 

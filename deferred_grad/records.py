@@ -65,20 +65,6 @@ Position = collections.namedtuple(
     'Position', 'in_cycle length is_end updates step checks')
 
 
-def _acquire_lock():
-  """Takes a mutex of its own for the rest of a run; returns its lock.
-
-  Every op made under `tf.control_dependencies([lock])` runs while the run
-  holds it, so that runs of one train op from several threads of a session
-  (queue runners, Hogwild-style trainers) take turns: each micro-step reads
-  its place, adds, applies and counts as one. A run that fails releases
-  it. Made on the host CPU (mutexes have no other kernels), on the device's
-  task (a parameter-server worker: the worker's own).
-  """
-  with tf.device('/device:CPU:0'):
-    return tf.raw_ops.MutexLock(mutex=tf.raw_ops.MutexV2(name='run_lock'))
-
-
 class StepCycle(object):
   """A cycle of an int `grad_steps`, decided on a step variable.
 
@@ -245,8 +231,7 @@ class Record(object):
     self.counts = counts
     self.skipped_micro_batches, self.skipped_cycles = skipped
     self.position = self.lock = self.updated = None
-    self.op_names = []
-    self.lists = {}
+    self.op_names, self.lists = [], {}
     self.counters = cycle.variables() + [
         counts[name] for name in sorted(counts or {})] + [
             v for v in skipped if v is not None]
@@ -267,7 +252,16 @@ class Record(object):
     """
     if self.position is None:
       if locked:
-        self.lock = _acquire_lock()
+        # A mutex of its own, held for the rest of the run: every op made
+        # under `tf.control_dependencies([lock])` runs while the run holds
+        # it, so that runs of one train op from several threads of a session
+        # (queue runners, Hogwild-style trainers) take turns: each
+        # micro-step reads its place, adds, applies and counts as one. A run
+        # that fails releases it. On the host CPU (mutexes have no other
+        # kernels), of the device's task (a parameter-server worker's own).
+        with tf.device('/device:CPU:0'):
+          self.lock = tf.raw_ops.MutexLock(
+              mutex=tf.raw_ops.MutexV2(name='run_lock'))
       with tf.control_dependencies(([self.lock] if locked else []) +
                                    list(checks)):
         self.position = self.cycle.read(self.global_step)
@@ -384,9 +378,8 @@ class Record(object):
       # A schedule counts its updates itself.
       raise ValueError(
           'applied_updates(): this train op has an int grad_steps and no '
-          'global_step to count its updates. Pass global_step to minimize (or '
-          'apply_gradients), or give grad_steps as a schedule (a tensor or a '
-          'callable).')
+          'global_step to count its updates: pass global_step to minimize (or '
+          'apply_gradients), or give grad_steps as a tensor or a callable.')
     return self.position.updates
 
   def variables(self):
@@ -539,11 +532,10 @@ def _count_global_step(global_step, accumulates):
     if other_key == global_step.name and (accumulates or other_accumulates):
       # The others count their cycles in an update_count_N of their own.
       raise ValueError(
-          'global_step %s is already counted by another '
-          'GradientAggregationOptimizer train op in this graph, and one of '
-          'them decides its cycle on it (grad_steps > 1). Pass global_step '
-          'to one of them only and global_step=None to the others.' % (
-              global_step.name,))
+          'global_step %s is already counted by another train op of a '
+          'GradientAggregationOptimizer in this graph, and one of them decides '
+          'its cycle on it (grad_steps > 1): pass it to one of them only and '
+          'global_step=None to the others.' % global_step.name)
   counted.append((global_step.name, accumulates))
 
 
