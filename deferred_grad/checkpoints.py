@@ -244,7 +244,9 @@ def create_wrapped_slots(opt, var_list, scopes, wrapper):
 class _Restore(object):
   """How the fallback restores one saveable: an op fed a source per spec.
 
-  Its `sources`, a string placeholder, is fed [(key, slice spec)] per spec.
+  Its `keys` and `slices`, string placeholders, are fed a source per spec
+  (two vectors, not one [n, 2] matrix: slicing that would add ops per
+  variable to every graph the default saver is built in).
 
   Args:
     saveable: a `SaveableObject` of the saver's list.
@@ -254,11 +256,12 @@ class _Restore(object):
   def __init__(self, saveable, path):
     self.names = [spec.name for spec in saveable.specs]
     self.slices = [spec.slice_spec for spec in saveable.specs]
-    self.sources = tf.compat.v1.placeholder(tf.string, [len(self.names), 2])
+    self.keys = tf.compat.v1.placeholder(tf.string, [len(self.names)])
+    self.slice_specs = tf.compat.v1.placeholder(tf.string, [len(self.names)])
     with tf.device(compat.host_device(saveable.device)):
       tensors = tf.raw_ops.RestoreV2(
-          prefix=path, tensor_names=self.sources[:, 0],
-          shape_and_slices=self.sources[:, 1],
+          prefix=path, tensor_names=self.keys,
+          shape_and_slices=self.slice_specs,
           dtypes=[spec.dtype for spec in saveable.specs])
     with tf.device(saveable.device):
       self.op = saveable.restore(tensors, None)
@@ -468,7 +471,7 @@ class Saver(tf.compat.v1.train.Saver):
         ops.extend(self._initializers[restore.names[0]])
       elif sources is not None:
         ops.append(restore.op)
-        feed[restore.sources] = sources
+        feed[restore.keys], feed[restore.slice_specs] = zip(*sources)
       else:
         missing.extend(restore.names)
     if missing:
