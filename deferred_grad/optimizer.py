@@ -478,12 +478,13 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
             own_counter=self._use_tpu or global_step is None or (
                 local is not None), global_step=global_step, local=local,
             counts_dtype=counts_dtype, multi_worker=multi_worker)
-        # Each train op its own accumulators (see `accumulators`).
-        accumulators = accumulators_lib.create(
-            self._opt, present, record, sparse, self._accumulator_dtype,
-            self._xla_num_partitions, in_xla, local, multi_worker,
-            replica if replicas > 1 else None) if accumulates else (
-                accumulators_lib.PassThrough(sparse))
+        if accumulates:  # each train op its own (see `accumulators`)
+          accumulators = accumulators_lib.create(
+              self._opt, present, record, sparse, self._accumulator_dtype,
+              self._xla_num_partitions, in_xla, local, multi_worker,
+              replica if replicas > 1 else None)
+        else:
+          accumulators = accumulators_lib.PassThrough(sparse)
       if record not in self._records:  # (a wrapper per replica: each)
         self._records.append(record)
         for counter in record.counters:  # restored (object-based) already
