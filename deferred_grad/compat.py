@@ -160,6 +160,13 @@ def handles(variables):
   return [None if is_ref_variable(v) else v.handle for v in variables]
 
 
+def replica_index():
+  """This replica's index in its sync group (0 outside a replica context)."""
+  context = tf.distribute.get_replica_context()
+  return 0 if context is None else int(
+      tf.get_static_value(context.replica_id_in_sync_group) or 0)
+
+
 def local_variables(variables):
   """The variables a replica updates: its own components of mirrored ones.
 
@@ -174,9 +181,7 @@ def local_variables(variables):
     A list, in the order of `variables`.
   """
   strategy = tf.distribute.get_strategy()
-  context = tf.distribute.get_replica_context()
-  replica = 0 if context is None else int(
-      tf.get_static_value(context.replica_id_in_sync_group) or 0)
+  replica = replica_index()
   # A worker's components are its own replicas': across workers the id in
   # the sync group is worker * replicas per worker + the local index.
   return [components[replica % len(components)] for components in

@@ -457,10 +457,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     var_list = [v for _, v in present]
     strategy = tf.distribute.get_strategy()
     replicas = strategy.num_replicas_in_sync
-    replica = 0 if replica_context is None else int(tf.get_static_value(
-        replica_context.replica_id_in_sync_group) or 0)
     counts_dtype = _counts_dtype(var_list, self._accumulator_dtype)
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
+    replica = compat.replica_index()
     multi_worker = replicas > 1 and compat.in_multi_worker_mode(strategy)
     # Where the wrapped optimizer's non-slot variables go, found before the
     # name scope opens (`name` changes op names only); checkpoints restore
