@@ -10,7 +10,9 @@ from deferred_grad import compat as _compat
 _compat.import_tensorflow()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from deferred_grad.checkpoints import ConvertCheckpointHook
 from deferred_grad.checkpoints import Saver
+from deferred_grad.checkpoints import convert_checkpoint
 from deferred_grad.distribute import collective_barrier
 from deferred_grad.distribute import collective_run_options
 from deferred_grad.optimizer import GradientAggregationOptimizer
@@ -20,6 +22,7 @@ from deferred_grad.records import applied_updates
 __version__ = '0.1.0'
 
 __all__ = [
-    'GradientAggregationOptimizer', 'Saver', 'applied_updates',
-    'collective_barrier', 'collective_run_options'
+    'ConvertCheckpointHook', 'GradientAggregationOptimizer', 'Saver',
+    'applied_updates', 'collective_barrier', 'collective_run_options',
+    'convert_checkpoint'
 ]

@@ -41,6 +41,8 @@ import collections
 import contextlib
 import itertools
 
+import numpy as np
+
 from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import distribute
@@ -243,44 +245,6 @@ def _recorded_length(row, dtype):
   columns = 8 // dtype.size  # an int64's
   head = tf.concat([tf.reshape(row, [-1]), tf.zeros([columns], dtype)], 0)
   return tf.bitcast(head[:columns] if columns > 1 else head[0], tf.int64)
-
-
-def dense_after_restore(variable):
-  """An op that makes `variable`, a dense table accumulator, dense again
-  after a restore (`checkpoints.Saver` runs it; the micro-step does not).
-
-  A restore takes any shape into a resource variable (that of a ref
-  variable fails on another shape), and a checkpoint written with
-  `sparse_as_dense=False` holds a `RowListAccumulator`'s list of rows
-  there: an empty one (saved at a cycle's end, n = 0) becomes zeros; a
-  list of rows fails loudly (a dense kernel would add ids and all).
-
-  Returns:
-    The op, or None where no restore can leave another shape.
-  """
-  if compat.is_ref_variable(variable) or not variable.shape.is_fully_defined():
-    return None
-  shape = tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)
-  static = variable.shape.as_list()
-  dtype = variable.dtype.base_dtype
-
-  def from_list():
-    row = tf.raw_ops.ResourceGather(resource=variable.handle, indices=[0],
-                                    dtype=dtype)
-    empty = tf.debugging.Assert(tf.logical_and(
-        tf.equal(shape[-1], list_columns(variable, dtype) or -1),
-        tf.equal(_recorded_length(row, dtype), 0)), [
-            '%s holds a list of the rows looked up (saved mid-cycle with '
-            'sparse_as_dense=False, outside XLA), not a dense sum: resume it '
-            'as written, or from a checkpoint of a cycle\'s end.' %
-            variable.op.name.split('/replica_')[0]])
-    with tf.control_dependencies([empty]):
-      # Not `assign`, which checks the shape the restore changed.
-      return tf.raw_ops.AssignVariableOp(
-          resource=variable.handle, validate_shape=False,
-          value=run_time_zeros(static, dtype))
-
-  return tf.cond(tf.reduce_all(tf.equal(shape, static)), tf.no_op, from_list)
 
 
 class RowListAccumulator(object):
@@ -700,8 +664,8 @@ def _list_of_rows(opt, variable, columns, dtype, owner, local, mirrored):
   wrapper asks first making it, with the dtype asked for. The first to make
   it records it as the wrapper's state, and restores into it what an
   object-based checkpoint handed the wrapped optimizer (it shows as the
-  optimizer's slot `grad_accum`); a partition's is also restored from its
-  slice of the original's one accumulator of the table.
+  optimizer's slot `grad_accum`); `checkpoints.convert_checkpoint` gives a
+  partition's its slice of the original's one accumulator of the table.
 
   Args:
     opt: the wrapped optimizer.
@@ -734,12 +698,9 @@ def _list_of_rows(opt, variable, columns, dtype, owner, local, mirrored):
         initial, dtype=dtype, name=name, trainable=False,
         validate_shape=False, shape=tf.TensorShape(None),
         use_resource=not compat.is_ref_variable(variable))
-  checkpoints.add_to_state([listed])
+  checkpoints.add_to_state(  # afresh: a list of no rows
+      [listed], np.zeros([1, columns], dtype.as_numpy_dtype))
   opt._restore_slot_variable(slot_name_of(listed), variable, listed)  # pylint: disable=protected-access
-  spec = checkpoints.slice_spec(variable)
-  if spec:  # a partition: the original kept slices of one accumulator
-    checkpoints.add_source(listed, checkpoints.save_name(variable) + '/' +
-                           listed.op.name.rsplit('/', 1)[-1], spec)
   return listed
 
 
@@ -827,8 +788,6 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
       zip(pairs, slots, local_slots, compat.handles(local_slots))):
     rows = isinstance(gradient, tf.IndexedSlices)
     if columns is None:
-      if rows and local is None:
-        checkpoints.add_restore_fixup(dense_after_restore(local_slot))
       accumulators.append(DenseAccumulator(
           local_slot, handle, in_xla, num_partitions, rows and in_xla))
     elif not mirrored or multi_worker:  # this replica's own list

@@ -26,7 +26,7 @@ runs once per update beside the train op hangs on the same decision
 The mechanics are one call away, called with values and returning values:
 `accumulators` (the cycle's sums), `records` (the train op's record: its
 cycle, counters, lock), `distribute` (where replicas and workers meet),
-`checkpoints` (names, `deferred_grad.Saver`), `arguments` (checks) and
+`checkpoints` (state, names, conversion), `arguments` (checks) and
 `compat` (TensorFlow versions, the two private names kept).
 """
 
@@ -464,7 +464,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     # Where the wrapped optimizer's non-slot variables go, found before the
     # name scope opens (`name` changes op names only); checkpoints restore
     # across settings (see `checkpoints`).
-    scopes = checkpoints.prepare(accumulates)
+    scopes = checkpoints.scopes(accumulates)
     with tf.compat.v1.name_scope(name, self._name) as scope:
       # Variables on parameter servers: the state is the worker's own.
       local = distribute.worker_local(var_list)
@@ -496,7 +496,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       locked = accumulates and not (in_xla or multi_worker)
       initialized = (distribute.initialized_check(local, record.variables())
                      if local is not None else [])
-      lock, position = record.begin_run(locked, initialized)
+      lock, position = record.begin_run(locked, initialized, in_xla)
 
       # 3. This replica's micro-step: check, weigh, add, count. A micro-step
       # that fails a check changes nothing: every write waits for them.

@@ -106,11 +106,6 @@ class StepCycle(object):
         is_end=tf.equal(in_cycle, self.grad_steps - 1), updates=updates,
         step=value, checks=[])
 
-  def place(self):
-    """The micro-steps of the cycle so far, read when run (int64)."""
-    return tf.cast(tf.math.floormod(self.step.read_value(), self.grad_steps),
-                   tf.int64)
-
   def advance(self, position):
     """Counts the micro-step at `position` (its read ordered before)."""
     if self.step is None:
@@ -144,10 +139,6 @@ class Schedule(object):
 
   def variables(self):
     return [self.in_cycle, self.length, self.updates]
-
-  def place(self):
-    """The micro-steps of the cycle so far, read when run (int64)."""
-    return self.in_cycle.read_value()
 
   def _next_length(self, updates, in_cycle):
     """The schedule's value for the cycle after `updates` updates.
@@ -210,6 +201,8 @@ class Record(object):
     skipped: (micro-batches, cycles) int64 totals of what a
       `nonfinite_policy` skipped, or (None, None).
     counts_dtype: the dtype of the counts.
+    settings: (the settings variable, its first three values), or None
+      (see `_settings_variable`).
 
   Attributes:
     position: the `Position` a run of this train op reads first (None
@@ -224,28 +217,33 @@ class Record(object):
     counters: the counters: the cycle's, its counts, what a policy skipped.
   """
 
-  def __init__(self, cycle, global_step, counts, skipped, counts_dtype):
+  def __init__(self, cycle, global_step, counts, skipped, counts_dtype,
+               settings=None):
     self.cycle = cycle
     self.global_step = global_step
     self.counts_dtype = counts_dtype
     self.counts = counts
     self.skipped_micro_batches, self.skipped_cycles = skipped
+    self.settings, self.settings_values = settings or (None, None)
     self.position = self.lock = self.updated = None
     self.op_names, self.lists = [], {}
     self.counters = cycle.variables() + [
         counts[name] for name in sorted(counts or {})] + [
-            v for v in skipped if v is not None]
+            v for v in skipped + (self.settings,) if v is not None]
 
-  def begin_run(self, locked, checks=()):
+  def begin_run(self, locked, checks=(), in_xla=False):
     """Takes the run's lock (if `locked`) and reads the `Position`, once.
 
     Under a multi-replica strategy the first replica to build the train op
-    makes them; the others share them.
+    makes them; the others share them. Its checks include that the cycle's
+    state continues under this train op's settings (`_settings_check`).
 
     Args:
       locked: whether runs of this train op take turns (a mutex of its own).
       checks: ops to run before the position is read (that the worker's
         own counters are initialized, `distribute.initialized_check`).
+      in_xla: built inside an XLA computation (which compiles an Assert
+        into nothing).
 
     Returns:
       (the lock or None, the `Position`).
@@ -265,6 +263,10 @@ class Record(object):
       with tf.control_dependencies(([self.lock] if locked else []) +
                                    list(checks)):
         self.position = self.cycle.read(self.global_step)
+        if self.settings is not None and not in_xla:
+          self.position = self.position._replace(
+              checks=self.position.checks + [_settings_check(
+                  self.settings, self.settings_values, self.position)])
     return self.lock, self.position
 
   def advance(self, position, after):
@@ -285,6 +287,12 @@ class Record(object):
                            position.updates) if tf.is_tensor(t)]
     with tf.control_dependencies([after] + derived):
       advanced = self.cycle.advance(position)
+      if self.settings is not None:  # the settings, and the place after it
+        place = tf.where(position.is_end, tf.constant(0, tf.int64),
+                         position.in_cycle + 1)
+        advanced = tf.group(advanced, self.settings.assign(
+            tf.stack([tf.constant(v, tf.int64) for v in self.settings_values]
+                     + [place]), read_value=False))
     if self.global_step is not None and not self.cycle.counts_global_step:
       # Counted beside the cycle; locked, as workers sharing the global step
       # on a parameter server may add at once.
@@ -468,15 +476,83 @@ def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
                         _own_variable('update_count', tf.float32, local))
     else:
       cycle = StepCycle(grad_steps, global_step, counts_global_step=True)
-  record = Record(cycle, global_step, counts, skipped, counts_dtype)
-  if local is None:  # see `checkpoints.Saver`
+  settings = None
+  if local is None:  # (a parameter-server worker drops its partial cycle)
+    checkpoints.add_to_state(cycle.variables() + list((counts or {}).values())
+                             + [v for v in skipped if v is not None])
     if accumulates:
-      checkpoints.record_settings(
-          grad_steps if fixed else None, policy.weighted,
-          policy.nonfinite_policy, arguments.NONFINITE_POLICIES,
-          cycle.place())
-    checkpoints.add_to_state(record.counters)
-  return record
+      settings = _settings_variable(
+          [grad_steps if fixed else 0, int(policy.weighted),
+           arguments.NONFINITE_POLICIES.index(policy.nonfinite_policy)],
+          cycle)
+  return Record(cycle, global_step, counts, skipped, counts_dtype, settings)
+
+
+def _settings_variable(values, cycle):
+  """A train op's settings variable, in the train op's name scope.
+
+  `<scope>/deferred_grad_settings`, int64 [grad_steps or 0 for a schedule,
+  weighted, the `nonfinite_policy`'s index, the place in the cycle after
+  the last micro-step]: a partial cycle's sums mean what the settings they
+  were added under say (divided by that `grad_steps`, weighted or not), and
+  a checkpoint holds them beside the sums (`_settings_check`).
+
+  Args:
+    values: the first three values.
+    cycle: the train op's cycle (`StepCycle` or `Schedule`).
+
+  Returns:
+    (the variable, `values`).
+  """
+  variable = tf.compat.v1.Variable(
+      lambda: tf.constant(values + [0], tf.int64), name='deferred_grad_settings',
+      trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+  # Where a checkpoint without settings (the original's) has its place.
+  counter = cycle.in_cycle if isinstance(cycle, Schedule) else cycle.step
+  checkpoints.add_settings(variable, values, (
+      counter.name.split(':')[0], cycle.grad_steps or None))
+  return variable, values
+
+
+def _settings_check(variable, values, position):
+  """An op that fails a micro-step whose restored cycle does not continue
+  here: saved mid-cycle under other settings, or placed mid-cycle by a
+  `global_step` without the cycle's partial sums.
+
+  Args:
+    variable: the settings variable (`_settings_variable`).
+    values: this train op's settings (its first three values).
+    position: the micro-step's `Position`.
+  """
+  # Copied (stacked), as `Schedule.read`'s counters: under ref variables
+  # (v1 behaviour) a read may alias the buffer that a run's write changes
+  # in place (runs from several threads saw another run's settings). int32
+  # and strings: an Assert of them needs no cond around it.
+  saved = tf.cast(tf.stack(tf.unstack(variable.read_value(), 4)), tf.int32)
+  place = tf.cast(position.in_cycle, tf.int32)
+  # The same grad_steps; weights and a policy kept (the sums do not depend
+  # on the policy's kind; counts added are missing from the checkpoint,
+  # which then starts the cycle afresh); the place it left.
+  kept = [tf.equal(saved[0], values[0]), tf.equal(saved[3], place)] + [
+      tf.equal(saved[i], 0) for i in (1, 2) if not values[i]]
+  continues = tf.reduce_all(tf.stack(kept))
+  afresh = tf.logical_and(tf.equal(saved[3], 0), tf.equal(place, 0))
+  policy = arguments.NONFINITE_POLICIES[values[2]]
+  here = '%s, %s, nonfinite_policy=%r' % (
+      'grad_steps=%d' % values[0] if values[0] else 'grad_steps a schedule',
+      'a micro_batch_weight' if values[1] else 'micro_batch_weight=None',
+      policy)
+  return tf.debugging.Assert(tf.logical_or(continues, afresh), [
+      'GradientAggregationOptimizer: the restored checkpoint\'s cycle does '
+      'not continue in this train op (%s): its partial sums would be applied '
+      'wrongly. It was saved with [grad_steps (0: a schedule), '
+      'micro_batch_weight (1: given), nonfinite_policy (0: None, 1: '
+      'skip_micro_batch, 2: skip_cycle), micro-steps of its cycle done] =' %
+      here, saved, '; here global_step places this run at micro-step', place,
+      '. Restore it with the settings it was saved with and change them after '
+      'a cycle\'s last micro-step; a new int grad_steps needs a global_step '
+      'that is a multiple of it (or give grad_steps as tf.constant(n)).'],
+                             summarize=4)
 
 
 def _own_variable(name, dtype, local, counter=True):

@@ -14,11 +14,14 @@ from training import Trainer
 _MODEL = ['b1', 'b2', 'w1', 'w2']
 
 
-def _expected_names(use_tpu):
+def _expected_names(use_tpu, name=None, settings=True):
   # The original built the wrapped apply inside a tf.cond: under control flow
   # v1 Adam's non-slot variables land in that cond's name scope.
   non_slot_prefix = '' if tf.compat.v1.control_flow_v2_enabled() else 'cond/'
   names = set(_MODEL) | {'global_step'}
+  if settings:  # the train op's, in its name scope (not the original's)
+    names.add((name or 'GradientAggregationOptimizer') +
+              '/deferred_grad_settings')
   names |= {non_slot_prefix + 'beta1_power', non_slot_prefix + 'beta2_power'}
   for var in _MODEL:
     names |= {var + '/Adam', var + '/Adam_1', var + '/GradientAccumulator'}
@@ -47,7 +50,7 @@ def test_checkpoint_keys_are_the_originals(use_tpu, name, tmp_path):
       session.run(tf.compat.v1.global_variables_initializer())
       path = saver.save(session, os.path.join(str(tmp_path), 'model'))
   keys = {key for key, _ in tf.train.list_variables(path)}
-  assert keys == _expected_names(use_tpu)
+  assert keys == _expected_names(use_tpu, name)
   # Every op apply_gradients made is in its name scope, but the variables it
   # created (named after variables, as the original's were).
   scope = (name or 'GradientAggregationOptimizer') + '/'
@@ -229,13 +232,16 @@ def test_own_saver_in_a_scaffold_is_used_and_resumes_mid_cycle(use_tpu,
   training.assert_same_training([resumed], [expected], rtol=0, atol=0)
 
 
-def test_own_saver_only_in_the_collection_is_a_clear_error(tmp_path):
-  # The wrapper made its default saver there first: two savers, and the
-  # Scaffold cannot choose. The README says to hand yours over in a
-  # Scaffold.
-  with pytest.raises(RuntimeError, match='More than one item in collection'):
-    _train_with_own_saver(_trainer(False), str(tmp_path), 2,
-                          _micro_batches(), in_scaffold=False)
+def test_own_saver_only_in_the_collection_is_used(tmp_path):
+  """The wrapper adds no saver to the SAVERS collection: the script's own,
+  put there after minimize as much TF1 code does, is the Scaffold's, and
+  keeps what it was told to (1)."""
+  checkpoint_dir = str(tmp_path)
+  _train_with_own_saver(_trainer(False), checkpoint_dir, 4, _micro_batches(),
+                        in_scaffold=False)
+  kept = [name for name in os.listdir(checkpoint_dir)
+          if name.endswith('.index')]
+  assert kept == ['model.ckpt-4.index']
 
 
 @pytest.mark.parametrize('model', ['mlp', 'embedding'])
@@ -247,8 +253,9 @@ def test_restores_a_checkpoint_written_under_the_original_names(
   only from the restored accumulator.
   """
   expected, state = _uninterrupted(use_tpu, STOP_STEP, model)
+  del state['GradientAggregationOptimizer/deferred_grad_settings']
   if model == 'mlp':
-    assert set(state) == _expected_names(use_tpu)
+    assert set(state) == _expected_names(use_tpu, settings=False)
   else:
     names = {'global_step', 'table', 'projection', 'table/Momentum',
              'projection/Momentum', 'table/GradientAccumulator',
@@ -279,7 +286,13 @@ def test_restores_a_checkpoint_written_under_the_original_names(
   trainer = _trainer(use_tpu, model)
   batches = _micro_batches(model)
   with trainer.graph.as_default(), tf.compat.v1.Session() as session:
-    tf.compat.v1.train.Saver().restore(session, path)
+    # It has no settings: the one step (README "Checkpoints") writes them,
+    # with the place its counter says, and the rest as it is.
+    with pytest.raises(tf.errors.NotFoundError, match='settings'):
+      tf.compat.v1.train.Saver().restore(session, path)
+    converted = deferred_grad.convert_checkpoint(path)
+    assert converted == path + '.converted'
+    tf.compat.v1.train.Saver().restore(session, converted)
     for step in range(STOP_STEP, TOTAL_STEPS):
       trainer.micro_step(session, *[part[step] for part in batches])
     resumed = session.run(trainer.variables)

@@ -1,17 +1,18 @@
-"""deferred_grad.Saver: checkpoints without the wrapper's state, or written
-under other settings.
+"""Checkpoints without the wrapper's state, or written under other settings.
 
-Without the state (written before accumulation was turned on), the Saver
-restores the model and starts the wrapper's state afresh. Under other
+Without the state (written before accumulation was turned on),
+`convert_checkpoint` (and `deferred_grad.Saver`, which runs it on restore)
+keeps the model and starts the wrapper's state afresh. Under other
 settings: a partial cycle's sums mean what the settings they were added
 under say.
 The contract (README, "Checkpoints"): a setting that the accumulated sums do
 not depend on (`aggregation`, `use_tpu`'s counter, `sparse_as_dense`, a
 policy's kind) may change at any step; one they depend on may change at a
 cycle boundary, and a mid-cycle checkpoint restored under another one fails
-with an error naming it (`deferred_grad.Saver`, which records the settings)
-or a `NotFoundError` naming the missing counter (a plain Saver), never a
-wrong update.
+the first micro-step with an error naming this train op's settings and the
+saved ones (whichever saver restored it: the settings are a variable), or a
+`NotFoundError` naming the missing counter (a plain Saver), never a wrong
+update.
 """
 
 import os
@@ -78,27 +79,26 @@ def _large_batches(micro_batches, model='mlp'):
 _PLAIN, _OURS = tf.compat.v1.train.Saver, deferred_grad.Saver
 
 
-# deferred_grad.Saver where it records the setting (which it must accept).
+# A plain saver: the settings are a variable of the graph.
 # (To sparse_as_dense=True from a table's list of rows: test_sparse.py.)
-@pytest.mark.parametrize('written, restored, saver_class', [
-    (dict(aggregation='mean'), dict(aggregation='sum'), _PLAIN),
-    (dict(aggregation='sum'), dict(aggregation='mean'), _PLAIN),
-    (dict(use_tpu=True), dict(use_tpu=False), _OURS),
+@pytest.mark.parametrize('written, restored', [
+    (dict(aggregation='mean'), dict(aggregation='sum')),
+    (dict(aggregation='sum'), dict(aggregation='mean')),
+    (dict(use_tpu=True), dict(use_tpu=False)),
     (dict(nonfinite_policy='skip_cycle'),
-     dict(nonfinite_policy='skip_micro_batch'), _OURS),
-    (dict(model='embedding', sparse_as_dense=True), dict(model='embedding'),
-     _OURS),
+     dict(nonfinite_policy='skip_micro_batch')),
+    (dict(model='embedding', sparse_as_dense=True), dict(model='embedding')),
 ], ids=['mean_to_sum', 'sum_to_mean', 'tpu_to_gpu_path', 'policy_kind',
         'from_sparse_as_dense'])
 def test_settings_the_sums_do_not_depend_on_may_change_mid_cycle(
-    written, restored, saver_class, tmp_path):
+    written, restored, tmp_path):
   """Resumed one micro-step into a cycle, training goes on as if the
   restoring settings had been used from the start."""
   model = restored.get('model', 'mlp')
   batches = _micro_batches(model=model)
   path = _save_after(_trainer(**written), batches[:1],
-                     str(tmp_path / 'model'), saver_class)
-  actual = _resume(_trainer(**restored), path, batches[1:], saver_class)
+                     str(tmp_path / 'model'), _PLAIN)
+  actual = _resume(_trainer(**restored), path, batches[1:], _PLAIN)
   expected = _uninterrupted(_trainer(**restored), batches)
   training.assert_same_training([actual], [expected])
   # And the large batch's (which a dense Momentum update of a table, the
@@ -127,33 +127,61 @@ _DEPENDENT_IDS = ['3_to_2', '3_to_4_tpu_path', 'schedule_to_int',
                   'weights_removed', 'policy_removed']
 
 
+def _refused(here):
+  """What the first micro-step's error says: this train op's settings."""
+  return pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r'does not continue in this train op \(%s' % here)
+
+
+_HERE = {'grad_steps': 'grad_steps=%d', 'micro_batch_weight':
+         'grad_steps=3, micro_batch_weight=None',
+         'nonfinite_policy': "grad_steps=3, micro_batch_weight=None, "
+                             "nonfinite_policy=None"}
+
+
+@pytest.mark.parametrize('saver_class', [_PLAIN, _OURS])
 @pytest.mark.parametrize('written, restored, keyword', _DEPENDENT,
                          ids=_DEPENDENT_IDS)
-def test_saver_refuses_a_partial_cycle_under_other_settings(
-    written, restored, keyword, tmp_path):
+def test_a_partial_cycle_under_other_settings_fails_its_first_micro_step(
+    written, restored, keyword, saver_class, tmp_path):
   batches = _micro_batches()
   path = _save_after(_trainer(**written), batches[:1],
-                     str(tmp_path / 'model'), deferred_grad.Saver)
-  with pytest.raises(ValueError, match=keyword) as raised:
-    _resume(_trainer(**restored), path, batches[1:], deferred_grad.Saver)
-  assert 'micro-step 1 of a cycle' in str(raised.value)
+                     str(tmp_path / 'model'), saver_class)
+  here = _HERE[keyword]
+  if keyword == 'grad_steps':
+    here %= restored['grad_steps']
+  trainer = _trainer(**restored)
+  with _refused(here) as raised:
+    _resume(trainer, path, batches[1:], saver_class)
+  # The saved settings and place: grad_steps (0 a schedule), weighted,
+  # policy, one micro-step done.
+  saved = [0 if callable(written.get('grad_steps')) else
+           written.get('grad_steps', K), int('weight_fn' in written),
+           int('nonfinite_policy' in written), 1]
+  assert '[%s]' % ' '.join(str(v) for v in saved) in raised.value.message
+  # Nothing was written: the weights are the checkpoint's.
+  with trainer.graph.as_default(), tf.compat.v1.Session() as session:
+    saver_class().restore(session, path)
+    before = session.run(trainer.variables)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+      trainer.micro_step(session, *batches[1])
+    training.assert_same_training([session.run(trainer.variables)], [before],
+                                  rtol=0, atol=0)
 
 
-def test_saver_refuses_it_when_a_monitored_session_restores(tmp_path):
-  """The error comes from the session's creation, before any micro-step."""
+def test_a_monitored_session_restores_it_and_its_first_run_fails(tmp_path):
+  """Restored by the session's own plain saver: the first run fails."""
   checkpoint_dir = str(tmp_path)
   _save_after(_trainer(), _micro_batches()[:1],
-              os.path.join(checkpoint_dir, 'model.ckpt'), deferred_grad.Saver)
+              os.path.join(checkpoint_dir, 'model.ckpt'), _PLAIN)
   trainer = _trainer(grad_steps=2)
   with trainer.graph.as_default():
-    scaffold = tf.compat.v1.train.Scaffold(saver=deferred_grad.Saver())
-    with pytest.raises(ValueError, match='grad_steps=3.*grad_steps=2'):
-      with tf.compat.v1.train.MonitoredTrainingSession(
-          checkpoint_dir=checkpoint_dir, scaffold=scaffold,
-          save_checkpoint_secs=None, save_checkpoint_steps=None,
-          save_summaries_steps=None, save_summaries_secs=None,
-          log_step_count_steps=None):
-        pass
+    with tf.compat.v1.train.MonitoredTrainingSession(
+        checkpoint_dir=checkpoint_dir, save_checkpoint_secs=None,
+        save_checkpoint_steps=None, save_summaries_steps=None,
+        save_summaries_secs=None, log_step_count_steps=None) as session:
+      with _refused('grad_steps=2'):
+        trainer.micro_step(session, *_micro_batches()[1])
 
 
 @pytest.mark.parametrize('written, restored', [
@@ -198,9 +226,9 @@ def test_a_global_step_mid_way_into_a_new_cycle_is_refused(saved_by,
     _save_after(training.Trainer(_OPTIMIZER), batches[:4], path,
                 tf.compat.v1.train.Saver)
     restored = K
-  with pytest.raises(ValueError, match='grad_steps=%d at micro-step 1 ' %
-                     restored):
-    _resume(_trainer(restored), path, [], deferred_grad.Saver)
+  with _refused('grad_steps=%d' % restored) as raised:
+    _resume(_trainer(restored), path, batches[:1], deferred_grad.Saver)
+  assert 'this run at micro-step] [1]' in raised.value.message
   trainer = _trainer(lambda updates: tf.constant(restored, tf.int64))
   with trainer.graph.as_default(), tf.compat.v1.Session() as session:
     deferred_grad.Saver().restore(session, path)
@@ -230,10 +258,11 @@ def test_a_global_step_mid_way_into_a_new_cycle_is_refused(saved_by,
     (_WEIGHT, 'micro_batch_weights'),
     (dict(nonfinite_policy='skip_cycle'), 'good_micro_batches'),
 ], ids=['to_tpu_path', 'weights_added', 'policy_added'])
-def test_a_setting_that_adds_a_counter_needs_the_saver(restored, missing,
-                                                       tmp_path):
-  """A plain Saver's NotFoundError names the counter; deferred_grad.Saver
-  restores the model and starts the wrapper's state afresh."""
+def test_a_setting_that_adds_a_counter_needs_the_conversion(restored,
+                                                           missing, tmp_path):
+  """A plain Saver's NotFoundError names the counter (the step skipped);
+  deferred_grad.Saver converts: the model restores, the wrapper's state
+  starts afresh."""
   batches = _micro_batches()
   path = _save_after(_trainer(), batches[:K], str(tmp_path / 'model'),
                      tf.compat.v1.train.Saver)
@@ -254,9 +283,9 @@ def test_a_wider_accumulator_dtype_is_refused_by_the_restore(tmp_path):
             tf.compat.v1.train.Saver)
 
 
-def test_checkpoints_of_the_saver_restore_with_a_plain_saver(tmp_path):
-  """The settings are one more tensor in the file, which other savers (and
-  graphs without the wrapper) leave alone."""
+def test_the_settings_are_a_variable_every_saver_saves(tmp_path):
+  """One more int64 vector in the file, which graphs without the wrapper
+  leave alone: grad_steps, weighted, policy, the micro-steps done."""
   batches = _micro_batches()
   path = _save_after(_trainer(), batches[:1], str(tmp_path / 'model'),
                      deferred_grad.Saver)
@@ -268,11 +297,11 @@ def test_checkpoints_of_the_saver_restore_with_a_plain_saver(tmp_path):
 
 
 @pytest.mark.parametrize('grad_steps', [K, 2], ids=['same', 'other'])
-def test_under_mirrored_strategy_the_saver_resumes_or_refuses(grad_steps,
-                                                              tmp_path):
+def test_under_mirrored_strategy_a_restore_resumes_or_fails(grad_steps,
+                                                            tmp_path):
   """The settings are read and checked beside per-replica accumulators:
   with the same grad_steps the cycle resumes like the uninterrupted run,
-  with another the restore raises."""
+  with another the first micro-step fails."""
   x, y = models.make_data(2 * K, training.REPLICAS * models.MICRO_BATCH)
   uninterrupted = training.MirroredTrainer(_OPTIMIZER, K)
   with tf.compat.v1.Session(graph=uninterrupted.graph) as session:
@@ -284,14 +313,14 @@ def test_under_mirrored_strategy_the_saver_resumes_or_refuses(grad_steps,
   with first.graph.as_default(), tf.compat.v1.Session() as session:
     session.run(first.init_op)
     first.micro_step(session, x[0], y[0])
-    path = deferred_grad.Saver().save(session, str(tmp_path / 'model'))
+    path = _PLAIN().save(session, str(tmp_path / 'model'))
   second = training.MirroredTrainer(_OPTIMIZER, grad_steps)
   with second.graph.as_default(), tf.compat.v1.Session() as session:
+    _PLAIN().restore(session, path)
     if grad_steps != K:
-      with pytest.raises(ValueError, match='grad_steps=3.*grad_steps=2'):
-        deferred_grad.Saver().restore(session, path)
+      with _refused('grad_steps=2'):
+        second.micro_step(session, x[1], y[1])
       return
-    deferred_grad.Saver().restore(session, path)
     for step in range(1, 2 * K):
       second.micro_step(session, x[step], y[step])
     actual = session.run(second.variables)
@@ -316,22 +345,25 @@ def _two_train_ops(second_grad_steps):
 
 def test_each_train_op_of_a_graph_has_its_settings_checked(tmp_path):
   """Two wrappers' train ops, each one micro-step into its cycle: restored
-  as written they resume; the second with another grad_steps is refused."""
+  as written they resume; the second with another grad_steps fails."""
   graph, ops = _two_train_ops(2)
   with graph.as_default(), tf.compat.v1.Session() as session:
     session.run(tf.compat.v1.global_variables_initializer())
     session.run(ops)
-    path = deferred_grad.Saver().save(session, str(tmp_path / 'model'))
+    path = _PLAIN().save(session, str(tmp_path / 'model'))
   keys = {name for name, _ in tf.train.list_variables(path)}
   assert {'GradientAggregationOptimizer/deferred_grad_settings',
           'GradientAggregationOptimizer_1/deferred_grad_settings'} <= keys
-  graph, _ = _two_train_ops(2)
+  graph, ops = _two_train_ops(2)
   with graph.as_default(), tf.compat.v1.Session() as session:
-    deferred_grad.Saver().restore(session, path)
-  graph, _ = _two_train_ops(4)
+    _PLAIN().restore(session, path)
+    session.run(ops)
+  graph, ops = _two_train_ops(4)
   with graph.as_default(), tf.compat.v1.Session() as session:
-    with pytest.raises(ValueError, match='grad_steps=2.*grad_steps=4'):
-      deferred_grad.Saver().restore(session, path)
+    _PLAIN().restore(session, path)
+    session.run(ops[0])  # grad_steps 3 as saved
+    with _refused('grad_steps=4'):
+      session.run(ops[1])
 
 
 # ------------------------------------------ checkpoints without state --
@@ -353,12 +385,14 @@ def _checkpoint_without_wrapper(directory, optimizer='Adam', steps=3):
     return path, session.run(trainer.variables)
 
 
-def test_plain_saver_cannot_restore_it(tmp_path):
-  """Why deferred_grad.Saver exists: a plain Saver's NotFoundError."""
+def test_a_skipped_conversion_meets_a_not_found_error(tmp_path):
+  """A plain Saver's NotFoundError names an accumulator: the README's sign
+  that the checkpoint needs `convert_checkpoint`."""
   path, _ = _checkpoint_without_wrapper(str(tmp_path))
   trainer = training.Trainer(models.OPTIMIZERS['Adam'], 3)
   with trainer.graph.as_default(), tf.compat.v1.Session() as session:
-    with pytest.raises(tf.errors.NotFoundError, match='GradientAccumulator'):
+    with pytest.raises(tf.errors.NotFoundError,
+                       match='GradientAccumulator|deferred_grad_settings'):
       tf.compat.v1.train.Saver().restore(session, path)
 
 

@@ -296,7 +296,9 @@ def test_an_int_keeps_the_originals_variables():
       return sorted(v.op.name for v in tf.compat.v1.global_variables())
 
   weights = ['b1', 'b2', 'w1', 'w2']
-  accumulators = [w + '/GradientAccumulator' for w in weights]
+  # The settings: every saver saves them (test_checkpoint_saver.py).
+  accumulators = [w + '/GradientAccumulator' for w in weights] + [
+      'GradientAggregationOptimizer/deferred_grad_settings']
   assert names(4, False) == sorted(weights + accumulators + ['global_step'])
   assert names(4, True) == sorted(weights + accumulators +
                                   ['global_step', 'update_count'])

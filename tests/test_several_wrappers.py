@@ -93,14 +93,21 @@ def test_first_train_op_keeps_the_original_names(use_tpu):
       nonfinite_policy='skip_cycle')
   with graph.as_default():
     names = {name: sorted(v.op.name for v in wrapper.variables()
-                          if not v.op.name.endswith('/GradientAccumulator'))
+                          if not v.op.name.endswith(
+                              ('/GradientAccumulator', '/deferred_grad_settings')))
              for name, wrapper in wrappers.items()}
+    settings = sorted(v.op.name for wrapper in wrappers.values()
+                      for v in wrapper.variables()
+                      if v.op.name.endswith('/deferred_grad_settings'))
   # As tf.compat.v1.get_variable (the original's) names them in the scope.
   counters = ['model/' + n for n in (
       'good_micro_batches', 'nonfinite_micro_batches', 'skipped_cycles',
       'skipped_micro_batches', 'update_count')]
   assert names['a'] == counters
   assert names['b'] == [n + '_1' for n in counters]
+  # Each train op's settings, in its name scope (not the original's).
+  assert len(settings) == 2 and settings[0].endswith(
+      'GradientAggregationOptimizer/deferred_grad_settings'), settings
 
 
 def test_one_wrapper_minimizing_two_losses_in_turn(use_tpu):

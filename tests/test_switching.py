@@ -6,13 +6,18 @@ checkpoint, written at a cycle boundary, at another: bare -> wrapped
 behaviour (v1 <-> v2). After the switch it trains as the bare optimizer does
 on the new batch size, continuing from the same state: the weights, the
 wrapped optimizer's state (Adam's moments and beta powers, Adagrad's and
-FTRL's accumulators) and `global_step`. Each front end: a raw Session with a
-Saver, MonitoredTrainingSession and Estimator (the wrapper makes
-`deferred_grad.Saver` their default saver), the canned Estimators, and
-Keras 2's `save_weights`/`load_weights`.
+FTRL's accumulators) and `global_step`. Each front end with its one
+documented step (README "Checkpoints"): a raw Session restoring with
+`deferred_grad.Saver` (or `convert_checkpoint` and a plain Saver),
+MonitoredTrainingSession and a Supervisor given a plain saver after
+`convert_checkpoint(directory)`, Estimators (canned ones too) trained with
+`ConvertCheckpointHook`, and Keras 2's `save_weights`/`load_weights`
+(nothing).
 
 The reference is one bare job that changes its batch size at the switch: a
 bare step on a batch of K micro-batches for each of the wrapper's cycles.
+`test_the_reference_tells_a_lost_state_apart` shows it would catch a switch
+that lost the optimizer's state.
 """
 
 import json
@@ -89,28 +94,30 @@ def _reference(model, before, after):
     return session.run(trainer.variables)
 
 
-def _saver(setting, plain):
-  return (tf.compat.v1.train.Saver() if plain or setting is None else
-          deferred_grad.Saver())
-
-
-def _first_phase(model, setting, path, plain=False, scope=None):
-  """Trains phase 1 at `setting` from scratch; saves to `path`."""
+def _first_phase(model, setting, path, scope=None):
+  """Trains phase 1 at `setting` from scratch; saves to `path` (a plain
+  Saver: every saver saves the wrapper's state)."""
   trainer = _trainer(model, setting, scope)
   stream = _Stream(model)
   with trainer.graph.as_default(), trainer.session() as session:
     _run(trainer, session, stream, setting, UPDATES[setting])
-    _saver(setting, plain).save(session, path)
+    tf.compat.v1.train.Saver().save(session, path)
     return session.run(trainer.global_step)
 
 
-def _second_phase(model, before, after, path, plain=False, scope=None):
-  """Restores `path` at setting `after`; trains phase 2; the weights."""
+def _second_phase(model, before, after, path, scope=None, step='saver'):
+  """Restores `path` at setting `after` with the session's step ('saver':
+  `deferred_grad.Saver`; 'convert': `convert_checkpoint`, then a plain
+  Saver); trains phase 2; the weights."""
   trainer = _trainer(model, after, scope)
   stream = _Stream(model)
   stream.take((before or 1) * MICRO * UPDATES[before])
   with trainer.graph.as_default(), tf.compat.v1.Session() as session:
-    _saver(after, plain).restore(session, path)
+    if step == 'saver':
+      deferred_grad.Saver().restore(session, path)
+    else:
+      tf.compat.v1.train.Saver().restore(
+          session, deferred_grad.convert_checkpoint(path))
     step = session.run(trainer.global_step)
     _run(trainer, session, stream, after, LATER_UPDATES)
     assert session.run(trainer.global_step) == step + (
@@ -118,20 +125,39 @@ def _second_phase(model, before, after, path, plain=False, scope=None):
     return step, session.run(trainer.variables)
 
 
+@pytest.mark.parametrize('step', ['saver', 'convert'])
 @pytest.mark.parametrize('model, scope', [('mlp', None), ('mlp', 'dnn/head'),
                                           ('embedding', None)])
 @pytest.mark.parametrize('switch', sorted(SWITCHES))
-def test_a_session_with_deferred_grad_saver(switch, model, scope, tmp_path):
-  """The wrapper's side saves and restores with deferred_grad.Saver, the
-  bare side with a plain Saver. Under a name scope the bare Adam names its
-  powers `dnn/head/beta1_power`, the wrapper as the original did."""
+def test_a_session(switch, model, scope, step, tmp_path):
+  """Saved by a plain Saver, restored with the step. Under a name scope the
+  bare Adam names its powers `dnn/head/beta1_power`, the wrapper as the
+  original did."""
   before, after = SWITCHES[switch]
   path = os.path.join(str(tmp_path), 'model')
-  step = _first_phase(model, before, path, scope=scope)
+  step_count = _first_phase(model, before, path, scope=scope)
   restored_step, actual = _second_phase(model, before, after, path,
-                                        scope=scope)
-  assert restored_step == step == 6
+                                        scope=scope, step=step)
+  assert restored_step == step_count == 6
   training.assert_same_training([actual], [_reference(model, before, after)])
+
+
+def test_the_reference_tells_a_lost_state_apart(tmp_path):
+  """The control: a switch that kept the weights but lost Adam's state
+  (its moments and powers started afresh) ends far from the reference."""
+  before, after = SWITCHES['on']
+  path = os.path.join(str(tmp_path), 'model')
+  _first_phase('mlp', before, path)
+  trainer = _trainer('mlp', after)
+  stream = _Stream('mlp')
+  stream.take(MICRO * UPDATES[before])
+  with trainer.graph.as_default(), trainer.session() as session:
+    tf.compat.v1.train.Saver(list(trainer.variables.values())).restore(
+        session, path)
+    _run(trainer, session, stream, after, LATER_UPDATES)
+    actual = session.run(trainer.variables)
+  expected = _reference('mlp', before, after)
+  assert max(np.max(np.abs(actual[n] - expected[n])) for n in expected) > 1e-3
 
 
 def test_a_plain_saver_without_the_wrapper_refuses_a_wrapped_name(tmp_path):
@@ -161,7 +187,7 @@ def test_a_bare_graph_s_deferred_grad_saver_reads_a_plain_saver_s_names(
   restored by deferred_grad.Saver in a graph without it."""
   before, after = SWITCHES['off']
   path = os.path.join(str(tmp_path), 'model')
-  _first_phase(model, before, path, plain=True)
+  _first_phase(model, before, path)
   trainer = _trainer(model, after)
   stream = _Stream(model)
   stream.take(before * MICRO * UPDATES[before])
@@ -208,11 +234,13 @@ def test_a_checkpoint_of_the_other_graph_behaviour(settings, model, scope,
 
 def _monitored(model, setting, checkpoint_dir, skip, updates):
   """Trains `updates` updates under MonitoredTrainingSession (no Scaffold:
-  the graph's default saver), resuming from `checkpoint_dir`."""
+  its own plain saver), resuming from `checkpoint_dir` after the step."""
   trainer = _trainer(model, setting, 'head')
   stream = _Stream(model)
   stream.take(skip)
   with trainer.graph.as_default():
+    if tf.train.latest_checkpoint(checkpoint_dir):
+      deferred_grad.convert_checkpoint(checkpoint_dir)
     with tf.compat.v1.train.MonitoredTrainingSession(
         checkpoint_dir=checkpoint_dir, save_checkpoint_steps=1000,
         save_checkpoint_secs=None, save_summaries_steps=None,
@@ -267,11 +295,48 @@ def _model_fn(features, labels, mode, params):
                                               train_op=train_op)
 
 
+# ------------------------------------------------------------- Supervisor --
+
+def _supervised(model, setting, logdir, skip, updates):
+  """Trains `updates` updates under a Supervisor given a plain Saver (as
+  TF-Slim's trainer gives it), resuming from `logdir` after the step."""
+  trainer = _trainer(model, setting)
+  stream = _Stream(model)
+  stream.take(skip)
+  with trainer.graph.as_default():
+    if tf.train.latest_checkpoint(logdir):
+      deferred_grad.convert_checkpoint(logdir)
+    supervisor = tf.compat.v1.train.Supervisor(
+        logdir=logdir, saver=tf.compat.v1.train.Saver(), save_model_secs=0,
+        save_summaries_secs=0)
+    with supervisor.managed_session() as session:
+      start = session.run(trainer.global_step)
+      _run(trainer, session, stream, setting, updates)
+      supervisor.saver.save(session, supervisor.save_path,
+                            global_step=trainer.global_step)
+  return start, tf.train.load_checkpoint(logdir)
+
+
+@pytest.mark.parametrize('switch', sorted(SWITCHES))
+def test_a_supervisor_given_a_plain_saver(switch, tmp_path):
+  before, after = SWITCHES[switch]
+  logdir = str(tmp_path)
+  _supervised('mlp', before, logdir, 0, UPDATES[before])
+  start, reader = _supervised('mlp', after, logdir,
+                              (before or 1) * MICRO * UPDATES[before],
+                              LATER_UPDATES)
+  assert start == 6
+  assert reader.get_tensor('global_step') == 6 + (after or 1) * LATER_UPDATES
+  expected = _reference('mlp', before, after)
+  training.assert_same_training(
+      [{name: reader.get_tensor(name) for name in expected}], [expected])
+
+
 @needs_estimator
 @pytest.mark.parametrize('model', sorted(MODELS))
 @pytest.mark.parametrize('switch', sorted(SWITCHES))
 def test_an_estimator_with_its_model_fn(switch, model, tmp_path):
-  """No Scaffold: the wrapper makes deferred_grad.Saver the default."""
+  """The Estimator's own saver; the step is the hook."""
   before, after = SWITCHES[switch]
   model_dir = str(tmp_path)
 
@@ -287,7 +352,8 @@ def test_an_estimator_with_its_model_fn(switch, model, tmp_path):
     skip = MICRO * 6
   trained = estimator(after)
   trained.train(_input_fn(model, skip, after),
-                max_steps=6 + (after or 1) * LATER_UPDATES)
+                max_steps=6 + (after or 1) * LATER_UPDATES,
+                hooks=[deferred_grad.ConvertCheckpointHook(model_dir)])
   expected = _reference_with(model, [(before, UPDATES[before], MICRO),
                                      (after, LATER_UPDATES, MICRO)])
   training.assert_same_training(
@@ -351,7 +417,8 @@ def test_a_canned_estimator(switch, canned, tmp_path):
 
   def train(model_dir, setting, skip, batch, max_steps):
     estimator = CANNED[canned](str(model_dir), optimizer(setting))
-    estimator.train(_canned_input_fn(skip, batch), max_steps=max_steps)
+    estimator.train(_canned_input_fn(skip, batch), max_steps=max_steps,
+                    hooks=[deferred_grad.ConvertCheckpointHook(model_dir)])
     return estimator
 
   train(tmp_path / 'switched', before, 0, MICRO, 6)
@@ -363,7 +430,13 @@ def test_a_canned_estimator(switch, canned, tmp_path):
                UPDATES[before] + LATER_UPDATES)
   names = [n for n in bare.get_variable_names() if n != 'global_step']
   expected = {n: bare.get_variable_value(n) for n in names}
-  actual = {n: switched.get_variable_value(n) for n in names}
+  # Wrapped, Adam's powers have the original's names (`beta1_power`,
+  # `dnn/head/cond/beta1_power`) where the bare has `dnn/head/beta1_power`.
+  held = switched.get_variable_names()
+  wrapped_name = lambda n: n if n in held else [
+      h for h in held if h.split('/')[-1] == n.split('/')[-1] and
+      'GradientAccumulator' not in h][0]
+  actual = {n: switched.get_variable_value(wrapped_name(n)) for n in names}
   training.assert_same_training([actual], [expected])
 
 

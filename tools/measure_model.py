@@ -129,7 +129,8 @@ def child(spec):
     train_op = _train_op(tf, batch, grad_steps)
     parameters = sum(int(np.prod(v.shape.as_list())) * v.dtype.size
                      for v in tf.compat.v1.trainable_variables())
-    state = list(graph.get_collection(('deferred_grad', 'state')))
+    # The wrapper's state: (variable, its value afresh) pairs.
+    state = [v for v, _ in graph.get_collection(('deferred_grad', 'state'))]
     init = [tf.compat.v1.global_variables_initializer(),
             tf.compat.v1.local_variables_initializer(),
             tf.compat.v1.tables_initializer()]
