@@ -53,7 +53,8 @@ are safe to make unconditionally: grad_steps=1 keeps every one of them.
    the plain mean of micro-batch means weighs a micro-batch of 1 token like
    one of 7 (see numerics_example.py).
 6. Existing checkpoints. A model_dir written without accumulation lacks the
-   accumulators: restore it with deferred_grad.Saver (see
+   accumulators: train once with
+   `hooks=[deferred_grad.ConvertCheckpointHook(model_dir)]` (see
    monitored_session_example.py).
 
 `create_optimizer_before` and `create_optimizer_after` below are BERT's

@@ -16,10 +16,10 @@ Pass the wrapper as the optimizer, an instance or a callable; both of
 * Every variable of a canned model is partitioned (even into one part):
   each partition of a table gets its own list of rows
   (`<table>/part_<n>/GradientAccumulator`), and a job stopped mid-cycle
-  resumes exactly. The wrapper makes `deferred_grad.Saver` the Estimator's
-  saver, so a model_dir trained without accumulation resumes with it (and
-  back), keeping the checkpoints `RunConfig(keep_checkpoint_max=...)` asks
-  for, as the Estimator's own saver would.
+  resumes exactly. The Estimator saves with its own saver, keeping what
+  `RunConfig` asks for; a model_dir trained without accumulation (or
+  back) resumes after one step, `train(...,
+  hooks=[deferred_grad.ConvertCheckpointHook(model_dir)])`.
 
 It trains the model twice on the same examples: (a) the bare optimizers on
 batches of grad_steps * micro_batch, (b) the wrappers on micro-batches, in

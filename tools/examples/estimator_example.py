@@ -11,9 +11,10 @@ tf.estimator (`pip install ".[estimator]"`).
 `max_steps` and `steps` count micro-steps, and so do
 `save_checkpoints_steps`, `save_summary_steps` and `log_step_count_steps`;
 a new Estimator on the same model_dir resumes mid-cycle, ending with exactly
-the weights of an uninterrupted run (tested). Checkpoints: see
-monitored_session_example.py (`deferred_grad.Saver` goes into
-`EstimatorSpec(..., scaffold=tf.compat.v1.train.Scaffold(saver=...))`).
+the weights of an uninterrupted run (tested). Checkpoints: the Estimator's
+own saver keeps what `RunConfig` says; switching accumulation on or off over
+a model_dir is `train(..., hooks=[deferred_grad.ConvertCheckpointHook(
+model_dir)])` (see monitored_session_example.py).
 
 With `RunConfig(train_distribute=tf.distribute.MirroredStrategy(...))` each
 replica takes its own micro-batch from the input_fn, and Estimator already

@@ -35,44 +35,41 @@ Checkpoint names are the original's, so its checkpoints restore:
 `update_count` counts modulo grad_steps; a value written by the original
 (which counted on) is read modulo grad_steps and continues its cycle.
 
-Switching accumulation on, off, or to another grad_steps over an existing
-checkpoint (written at a cycle boundary) needs nothing either: the wrapper
-makes `deferred_grad.Saver` the graph's default saver (the SAVERS
-collection, which MonitoredTrainingSession and Estimator use when given no
-Scaffold saver). It reads each variable under its own name or another it
-had: a checkpoint written without the wrapper lacks the accumulators, which
-start afresh, and names Adam's powers `head/beta1_power` where the wrapper,
-as the original, names them `beta1_power` (control flow v2) or
-`head/cond/beta1_power` (v1); it writes them under the names without the
-wrapper too, so a job without it restores with a plain Saver. A plain Saver
-of your own (in a Scaffold) fails on a checkpoint without accumulators with
-`NotFoundError: Key .../GradientAccumulator not found`: give the Scaffold a
-`deferred_grad.Saver()` instead. On the GPU path the cycle is read from
-`global_step`: restored at a step that is not a multiple of grad_steps, the
-first cycle would be short (the sum of fewer micro-batches, divided by
-grad_steps), so the Saver raises a ValueError saying so; give grad_steps as
-a tensor (`tf.constant(k)`), whose counters start afresh, to turn
-accumulation on at any step. The default saver keeps the 5 newest
-checkpoints, as MonitoredTrainingSession's does (under an Estimator, what
-its `RunConfig(keep_checkpoint_max)` asks for). A saver of your own goes in
-the Scaffold (`Scaffold(saver=...)`, as the Object Detection API does);
-added to the SAVERS collection after `minimize` alone, it is a second saver
-there, and the Scaffold fails with `RuntimeError: More than one item in
-collection savers` (make it a `deferred_grad.Saver` to keep switching).
+The wrapper installs no saver: MonitoredTrainingSession, Estimator and
+Supervisor save with the saver they make without it (keeping what you told
+them: `RunConfig(keep_checkpoint_max=...)`, a Scaffold's saver, yours).
+
+Switching accumulation on, off, to another grad_steps or to the other graph
+behaviour over an existing checkpoint (written at a cycle boundary) is one
+step: `deferred_grad.convert_checkpoint(checkpoint_dir)`, after the graph is
+built and before the session restores (`train` below calls it every time:
+where nothing needs converting it writes nothing). A checkpoint written
+without the wrapper lacks the accumulators, which start afresh, and names
+Adam's powers `head/beta1_power` where the wrapper, as the original, names
+them `beta1_power` (control flow v2) or `head/cond/beta1_power` (v1): it
+writes a copy under this graph's names (`model.ckpt.converted-<step>`) and
+makes it the directory's latest. Skipped, a plain restore fails with
+`NotFoundError: Key .../GradientAccumulator not found` (or
+`.../deferred_grad_settings`, or the powers' name). An Estimator takes
+`hooks=[deferred_grad.ConvertCheckpointHook(model_dir)]` in `train`; a
+Session restores with `deferred_grad.Saver()`, which converts as it
+restores. On the GPU path the cycle is read from `global_step`: restored at
+a step that is not a multiple of grad_steps, the first cycle would be short
+(the sum of fewer micro-batches, divided by grad_steps), so its first
+micro-step fails saying so; give grad_steps as a tensor (`tf.constant(k)`),
+whose counters start afresh, to turn accumulation on at any step.
 
 Resuming with other settings (the README's "Checkpoints" has the table):
 aggregation, sparse_as_dense and the TPU-to-GPU path may change at any
 step. grad_steps (an int), micro_batch_weight and nonfinite_policy may
-change at a cycle boundary; an int grad_steps is not in the original's
-format, so a plain Saver cannot tell a mid-cycle checkpoint restored with
-another, but `deferred_grad.Saver` saves each train op's settings
-(`<scope>/deferred_grad_settings`) and raises a ValueError naming the
-keyword. Give grad_steps as a tensor or callable (schedule_example.py) to
-change it at any step: its counters are saved, and a cycle restored
+change at a cycle boundary: each train op's settings are a variable
+(`<scope>/deferred_grad_settings`) that every saver saves, and a mid-cycle
+checkpoint restored under others fails the first micro-step with an error
+naming them. Give grad_steps as a tensor or callable (schedule_example.py)
+to change it at any step: its counters are saved, and a cycle restored
 mid-way ends with the length it began with. Where a setting adds a
-counter (a policy, weights, the GPU-to-TPU path, an int to a schedule), a
-plain Saver fails with NotFoundError and deferred_grad.Saver starts the
-wrapper's state afresh.
+counter (a policy, weights, the GPU-to-TPU path, an int to a schedule), the
+conversion starts the wrapper's state afresh.
 
 Under MirroredStrategy (also Estimator's train_distribute) each replica adds
 into its own part of an accumulator; the checkpoint holds their sum under
@@ -131,8 +128,9 @@ def train(checkpoint_dir, last_step, grad_steps):
     with tf.compat.v1.name_scope('head'):  # as a model_fn's head
       train_op = optimizer.minimize(loss, global_step=global_step)
     hooks = [tf.compat.v1.train.StopAtStepHook(last_step=last_step)]
-    # No Scaffold: the graph's default saver is deferred_grad.Saver where
-    # the wrapper is (a plain one where it is not).
+    if tf.train.latest_checkpoint(checkpoint_dir):  # the step of a switch
+      deferred_grad.convert_checkpoint(checkpoint_dir)
+    # No Scaffold: MonitoredTrainingSession's own plain saver.
     with tf.compat.v1.train.MonitoredTrainingSession(
         checkpoint_dir=checkpoint_dir, hooks=hooks,
         save_checkpoint_steps=grad_steps, log_step_count_steps=None) as session:
