@@ -81,6 +81,10 @@ def test_measure_model_runs_on_the_readme_script(tmp_path):
   output = _measure(tmp_path, '--model=%s:build' % script, '--micro_batch=32',
                     '--grad_steps=2')
   assert 'K=2 micro-batches of b=32' in output, output
+  # P is 32 bytes: the extra memory in KB or MB, not in multiples of P.
+  assert 'P = 32 bytes of parameters' in output, output
+  assert 'not in multiples of the parameters\' bytes P' in output, output
+  assert not re.search(r'[\d.] P\b', output), output
 
 
 @scripts.run_once_per_version
@@ -92,3 +96,12 @@ def test_measure_model_runs_on_a_guide_s_model_fn(tmp_path):
                     '--input_fn=%s:input_fn' % guide, '--micro_batch=8',
                     '--grad_steps=2')
   assert 'K=2 micro-batches of b=8' in output, output
+
+
+def test_measure_model_sizes_read_in_bytes_kb_and_mb():
+  import measure_model  # pylint: disable=g-import-not-at-top
+  assert measure_model.size(6 * 1024) == '6.00 KB'
+  assert measure_model.size(32) == '32 bytes'
+  assert measure_model.size(418 * 2**20) == '418 MB'
+  assert measure_model.size(1.3 * 2**20, signed=True) == '+1.30 MB'
+  assert measure_model.size(-692 * 1024, signed=True) == '-692 KB'

@@ -12,10 +12,10 @@ example count it trained):
 
 It prints the time per example of a whole cycle against the bare optimizer
 at b and at K*b, the peak resident memory (RSS) of each, the wrapper's extra
-memory in parameter bytes (after initialisation, after the first cycle, at
-the peak), and what the wrapper keeps (README "Performance" has the
-formula): its accumulators, a table's list of rows, its counters, which are
-also what its checkpoints add.
+memory in MB (and in parameter bytes P where P is 1 MB or more: after
+initialisation, after the first cycle, at the peak), and what the wrapper
+keeps (README "Performance" has the formula): its accumulators, a table's
+list of rows, its counters, which are also what its checkpoints add.
 
   python tools/measure_model.py --model=train.py:build --micro_batch=32 \
       --grad_steps=4 --budget_mb=8000
@@ -179,6 +179,20 @@ def _median(values):
   return values[len(values) // 2] if values else None
 
 
+def _digits(value):
+  """About three significant figures."""
+  return 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
+
+
+def size(nbytes, signed=False):
+  """'6.00 KB': bytes in MB, or in KB or bytes when smaller."""
+  for unit, scale in (('MB', 2**20), ('KB', 2**10), ('bytes', 1)):
+    if abs(nbytes) >= scale or unit == 'bytes':
+      value = nbytes / float(scale)
+      return ('%+.*f %s' if signed else '%.*f %s') % (
+          0 if scale == 1 else _digits(value), value, unit)
+
+
 def _per_example(result, examples_per_cycle):
   """Median seconds per example of a whole cycle."""
   per = result['steps_per_cycle']
@@ -217,15 +231,16 @@ def measure():
       large or wrapper)['examples'], (bare, wrapper, large)
   assert len({bare['pid'], wrapper['pid']} | (
       {large['pid']} if large else set())) == (3 if large else 2)
-  p_mb = wrapper['parameter_bytes'] / 2**20
+  p = wrapper['parameter_bytes']
 
   def extra(key):
-    megabytes = wrapper[key] - bare[key]
-    return '%+.0f MB = %+.2f P' % (megabytes, megabytes / p_mb)
+    nbytes = (wrapper[key] - bare[key]) * 2**20
+    return size(nbytes, signed=True) + (
+        ' (%+.2f P)' % (nbytes / p) if p >= 2**20 else '')
 
   lines = [
-      'model: %s, P = %.1f MB of parameters; K=%d micro-batches of b=%d' % (
-          FLAGS.model, p_mb, k, b),
+      'model: %s, P = %s of parameters; K=%d micro-batches of b=%d' % (
+          FLAGS.model, size(p), k, b),
       '',
       '| | time per example | peak RSS (MB) |',
       '|---|---:|---:|',
@@ -241,13 +256,16 @@ def measure():
                  (k * b, FLAGS.budget_mb))
   lines += [
       '',
-      'RSS of the wrapper over the bare optimizer at b (P: the parameters\' '
-      'bytes): after initialisation %s, after the first cycle %s, at the '
-      'peak %s.' % (extra('rss_after_init_mb'), extra('rss_after_cycle_mb'),
-                    extra('peak_rss_mb')),
+      'RSS of the wrapper over the bare optimizer at b: after initialisation '
+      '%s, after the first cycle %s, at the peak %s%s.' % (
+          extra('rss_after_init_mb'), extra('rss_after_cycle_mb'),
+          extra('peak_rss_mb'),
+          ' (P: the parameters\' bytes)' if p >= 2**20 else
+          ' (not in multiples of the parameters\' bytes P: at %s, under 1 '
+          'MB, they would mean little)' % size(p)),
       'what the wrapper keeps (and its checkpoints add): %s.' % ', '.join(
-          '%s %.3g MB' % (kind, size / 2**20)
-          for kind, size in sorted(wrapper['state_bytes'].items())),
+          '%s %s' % (kind, size(nbytes))
+          for kind, nbytes in sorted(wrapper['state_bytes'].items())),
       'largest effective batch of the bare optimizer within %d MB: %s (%s, '
       'doubling from K*b); the wrapper\'s peak does not grow with K.' % (
           FLAGS.budget_mb, '%d, %.0f MB' % (fits[-1][0] * b, fits[-1][1])
