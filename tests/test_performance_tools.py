@@ -61,9 +61,14 @@ def test_the_scale_suite_runs_at_toy_sizes_and_keeps_its_books(tmp_path):
 def _measure(tmp_path, *flags):
   output = scripts.run_tool('measure_model.py', '--cycles=1',
                             '--budget_mb=4000', '--search_up_to=2', *flags)
-  rows = dict(re.findall(r'\| (bare optimizer, batch \S+|deferred_grad, K x '
-                         r'b) \| ([\d.]+) ms \|', output))
+  # Each time with its last rounds' min-max, and NOT STABLE where they
+  # did not settle.
+  rows = re.findall(r'\| (bare optimizer, batch \S+|deferred_grad, K x b) '
+                    r'\| [\d.]+ (?:s|ms|us) \| [\d.]+-[\d.]+ (?:s|ms|us) '
+                    r'\([\d.]+%\): rounds of (\d+) cycles?, \d+ timed'
+                    r'(; NOT STABLE)?', output)
   assert len(rows) == 3, output
+  assert ('NOT STABLE: ' in output) == any(r[2] for r in rows), output
   assert 'what the wrapper keeps (and its checkpoints add): accumulator' in (
       output), output
   assert 'largest effective batch of the bare optimizer within 4000 MB' in (
@@ -96,6 +101,27 @@ def test_measure_model_runs_on_a_guide_s_model_fn(tmp_path):
                     '--input_fn=%s:input_fn' % guide, '--micro_batch=8',
                     '--grad_steps=2')
   assert 'K=2 micro-batches of b=8' in output, output
+
+
+def test_measure_model_times_until_the_rounds_agree_and_says_when_not():
+  import measure_model  # pylint: disable=g-import-not-at-top
+  # The last three rounds within 5% (max-min over their median), no fewer.
+  assert not measure_model.settled([1.0, 1.02], 0.05)
+  assert measure_model.settled([3.0, 1.0, 1.02, 1.04], 0.05)
+  assert not measure_model.settled([1.0, 1.02, 1.2], 0.05)
+  # Rounds of 2 cycles: the last three; fewer cycles make smaller rounds.
+  assert measure_model.rounds_of([9, 1, 1, 2, 2, 3, 3], 2) == ([2, 4, 6], 2)
+  assert measure_model.rounds_of([9, 1, 2, 3, 4], 2) == ([2, 3, 4], 1)
+  assert measure_model.rounds_of([1, 2], 2) == ([1, 2], 1)
+  result = {'rounds': [0.64, 0.21, 0.3], 'cycles_per_round': 1,
+            'cycles_timed': 20, 'stopped': 'stopped by --max_rounds=20'}
+  time, spread = measure_model.timing(result, 1000)
+  assert time == '300 us', time
+  assert spread == ('210-640 us (143.3%): rounds of 1 cycle, 20 timed; NOT '
+                    'STABLE (stopped by --max_rounds=20)'), spread
+  result.update(rounds=[2.0, 2.01, 2.02], stopped='stable')
+  assert measure_model.timing(result, 1000) == (
+      '2.01 ms', '2.00-2.02 ms (1.0%): rounds of 1 cycle, 20 timed')
 
 
 def test_measure_model_sizes_read_in_bytes_kb_and_mb():
