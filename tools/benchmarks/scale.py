@@ -27,7 +27,9 @@ traced cycle. The wrapper's extra memory is its RSS minus the bare micro-
 batch's at the same point, in parameter bytes P (float32: 4 bytes a
 parameter); its accumulators are 1 P. Memory against the effective batch:
 b fixed, K in --scale_curve, the wrapper at K x b and the bare optimizer at
-K*b until it exceeds the budget; --plot=FILE.svg draws it.
+K*b until it exceeds the budget; --plot=FILE draws it, with matplotlib in
+any format it writes (.png, .pdf, .svg, ...), without it as an SVG drawn by
+hand (.svg only; another name fails as the flags are parsed).
 
 How the figures scale: time per example is set by the model's compute and
 is about the same for every b large enough to keep the cores busy; the bare
@@ -114,10 +116,13 @@ common.flags.DEFINE_integer('scale_budget_mb', 12000,
                             'effective batch is not run past it.')
 common.flags.DEFINE_boolean('scale_toy', False,
                             'Toy sizes of both architectures (the tests).')
-common.flags.DEFINE_string('plot', None,
-                           'Draw memory against the effective batch (SVG).')
+common.flags.DEFINE_string(
+    'plot', None, 'Draw memory against the effective batch into this file: '
+    'with matplotlib in any format it writes (.png, .pdf, .svg, ...), '
+    'without it .svg only (drawn by hand).')
 
 VARIANTS = ('bare_micro', 'bare_large', 'wrapper', 'original')
+NAMES = {'bert': 'BERT-base', 'resnet': 'ResNet-50'}
 ORIGINAL = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                         'original_deferred_grad_optimizer.py.txt')
 
@@ -575,10 +580,97 @@ def run():
                  [[n, '%.0f' % w, '-' if b is None else '%.0f' % b]
                   for n, w, b in points])
   if FLAGS.plot and curves:
-    with open(FLAGS.plot, 'w') as f:
-      f.write(plot_svg(curves, FLAGS.scale_budget_mb))
+    write_plot(FLAGS.plot, curves, FLAGS.scale_budget_mb)
     table += '\n\nplot: %s' % FLAGS.plot
   return {'scale': results}, table
+
+
+# ------------------------------------------------------------------- plot --
+
+def _matplotlib():
+  """matplotlib, or None where this Python lacks it."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return matplotlib
+
+
+def plot_problem(path):
+  """Why `path` cannot be drawn with this Python, or None where it can."""
+  extension = os.path.splitext(path)[1].lower()
+  if _matplotlib() is None:
+    if extension == '.svg':
+      return None  # drawn by hand
+    return ('writing %s needs matplotlib, which this Python lacks: %s -m pip '
+            'install matplotlib; or name a .svg file, drawn without it' % (
+                extension or 'a file without an extension', sys.executable))
+  from matplotlib import backend_bases  # pylint: disable=g-import-not-at-top
+  formats = backend_bases.FigureCanvasBase.get_supported_filetypes()
+  if extension[1:] not in formats:
+    return 'matplotlib writes %s, not %s' % (
+        ', '.join('.' + name for name in sorted(formats)),
+        extension or 'a file without an extension')
+  return None
+
+
+def _check_plot(path):
+  """--plot's validator: fails the flags' parsing, before any run."""
+  problem = path and plot_problem(path)
+  if problem:
+    raise common.flags.ValidationError(problem)
+  return True
+
+
+common.flags.register_validator('plot', _check_plot)
+
+
+def write_plot(path, curves, budget_mb):
+  """Draws `curves` ({model: [(effective batch, wrapper's peak MB, bare's
+  or None)]}) into `path`: with matplotlib where this Python has it, in
+  the format its extension names; else an SVG drawn by hand (.svg only)."""
+  problem = plot_problem(path)
+  if problem:
+    raise ValueError('--plot=%s: %s' % (path, problem))
+  if _matplotlib() is None:
+    with open(path, 'w') as f:
+      f.write(plot_svg(curves, budget_mb))
+    return
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  from matplotlib import figure  # pylint: disable=g-import-not-at-top
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+  models = sorted(curves)
+  drawn = figure.Figure(figsize=(4.5 * len(models), 3.6))
+  for index, (axes, model) in enumerate(zip(
+      drawn.subplots(1, len(models), squeeze=False)[0], models)):
+    points = curves[model]
+    batches = [n for n, _, _ in points]
+    for column, colour, marker, label in (
+        (1, '#1f77b4', 'o-', 'deferred_grad, K x b'),
+        (2, '#d62728', 's--', 'bare optimizer, K*b')):
+      line = [(p[0], p[column]) for p in points if p[column] is not None]
+      axes.plot([n for n, _ in line], [v for _, v in line], marker,
+                color=colour, label=label)
+    values = [v for _, w, b in points for v in (w, b) if v is not None]
+    if budget_mb < 2 * max(values):  # as the SVG: shown when it is near
+      axes.axhline(budget_mb, color='gray', linestyle=':', label='budget')
+    # The batch doubles from point to point: a log scale spaces them evenly.
+    axes.set_xscale('log', base=2)
+    axes.xaxis.set_major_locator(ticker.FixedLocator(batches))
+    axes.xaxis.set_major_formatter(ticker.FixedFormatter(
+        [str(n) for n in batches]))
+    axes.xaxis.set_minor_locator(ticker.NullLocator())
+    axes.set_ylim(bottom=0)
+    axes.set_title(NAMES.get(model, model))
+    axes.set_xlabel('effective batch')
+    axes.grid(alpha=0.3)
+    if not index:
+      axes.set_ylabel('peak RSS (MB)')
+      axes.legend(fontsize=8, loc='best')
+  drawn.tight_layout()
+  # Text stays text in an SVG (searchable, as the hand-drawn one's).
+  with matplotlib.rc_context({'svg.fonttype': 'none'}):
+    drawn.savefig(path, dpi=120)
 
 
 def plot_svg(curves, budget_mb):
@@ -597,8 +689,7 @@ def plot_svg(curves, budget_mb):
             math.log(n) - lo) / float(hi - lo or 1)
     y = lambda v, t=top: height - margin + 10 - (height - margin - 10) * v / t
     parts = ['<text x="%d" y="16" font-size="13">%s</text>' % (
-        left + margin, {'bert': 'BERT-base', 'resnet': 'ResNet-50'}.get(
-            model, model))]
+        left + margin, NAMES.get(model, model))]
     parts.append('<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>' % (
         x(min(batches)), y(0), x(max(batches)), y(0)))
     parts.append('<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>' % (
