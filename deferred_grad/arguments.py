@@ -58,6 +58,7 @@ def check_positive_int(value, arg_name, expected=None):
 
 NONFINITE_POLICIES = (None, 'skip_micro_batch', 'skip_cycle')
 AGGREGATIONS = ('mean', 'sum')
+GLOBAL_STEP_COUNTS = ('micro_steps', 'updates')
 
 _GRAD_STEPS_EXPECTED = (
     'grad_steps must be a positive int, a scalar integer tensor or a callable '

@@ -59,6 +59,9 @@ _STATE = ('deferred_grad', 'state')  # (variable, its value afresh or None)
 _ALIASES = ('deferred_grad', 'aliases')  # (variable, its other names)
 _SETTINGS = ('deferred_grad', 'settings')  # (variable, settings, place)
 
+# The flags of a train op's settings (`records._settings_variable`).
+WEIGHTED, COUNTS_UPDATES = 1, 2
+
 # What `convert_checkpoint` leaves out: an object-based checkpoint's graph
 # of objects, which names the keys it read from.
 _OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
@@ -81,16 +84,18 @@ def add_to_state(variables, initial=None):
       state.append((variable, initial))
 
 
-def add_settings(variable, settings, place):
+def add_settings(variable, settings, place, global_step):
   """Records a train op's settings variable (see the module docstring).
 
   Args:
-    variable: the int64 vector [grad_steps or 0, weighted, policy, place].
+    variable: the int64 vector [grad_steps or 0, flags, policy, place].
     settings: its first three values in this graph.
     place: (the name of the counter the cycle's place is read from, the
       int it counts modulo, or None), for a checkpoint without settings.
+    global_step: the name of the `global_step` the train op counts, or None.
   """
-  variable.graph.add_to_collection(_SETTINGS, (variable, settings, place))
+  variable.graph.add_to_collection(
+      _SETTINGS, (variable, settings, place, global_step))
 
 
 def create_wrapped_slots(opt, var_list, scopes, wrapper):
@@ -358,8 +363,8 @@ def converted_values(path, var_list=None):
   shapes = reader.get_variable_to_shape_map()
   graph = tf.compat.v1.get_default_graph()
   state = {_key(v): (v, initial) for v, initial in graph.get_collection(_STATE)}
-  settings = {_key(v): (values, place)
-              for v, values, place in graph.get_collection(_SETTINGS)}
+  settings = {_key(v): (values, place, step)
+              for v, values, place, step in graph.get_collection(_SETTINGS)}
   aliases = {_key(v): names for v, names in graph.get_collection(_ALIASES)}
   targets = _targets(var_list)
   parts = {}  # {a part's name: (its whole's key, its first row, its rows)}
@@ -389,8 +394,18 @@ def converted_values(path, var_list=None):
         ', '.join(sorted(set(missing_state))))
     for key, (variable, initial) in state.items():
       changed[key] = _afresh(key, variable, initial, shapes)
-  for key, (values, (counter, modulo)) in settings.items():
-    if key in shapes and not missing_state:
+  present = any(key in shapes for key in state)  # not a bare checkpoint
+  for key, (values, (counter, modulo), step) in settings.items():
+    saved = reader.get_tensor(key) if key in shapes else None
+    # A bare checkpoint's steps were its updates; the original counted
+    # micro-steps.
+    flags = int(saved[1]) if saved is not None else (
+        0 if present else values[1])
+    if (flags ^ values[1]) & COUNTS_UPDATES and step in shapes:
+      changed[step] = _recounted(path, reader, step, saved, values, modulo)
+      changed[key] = np.array(list(values) + [0], np.int64)
+      continue
+    if saved is not None and not missing_state:
       continue
     place = 0
     if not missing_state and counter in shapes:
@@ -403,6 +418,32 @@ def converted_values(path, var_list=None):
             if key != _OBJECT_GRAPH_KEY}
   values.update(changed)
   return values
+
+
+def _recounted(path, reader, step, saved, values, modulo):
+  """`global_step` counted the other way (`global_step_counts`), at the
+  cycle boundary where the checkpoint was written.
+
+  Raises:
+    ValueError: the checkpoint was written mid-cycle, or under a schedule
+      whose micro-steps per update are not known.
+  """
+  value = int(reader.get_tensor(step))
+  grad_steps = int(saved[0]) if saved is not None else modulo
+  place = int(saved[3]) if saved is not None else value % (modulo or 1)
+  to_updates = bool(values[1] & COUNTS_UPDATES)
+  was = "'micro_steps'" if to_updates else "'updates'"
+  if place or not grad_steps:
+    raise ValueError(
+        'convert_checkpoint: %s was written with global_step_counts=%s%s; '
+        'this graph counts %s. Convert one written at a cycle\'s end under '
+        'an int grad_steps.' % (
+            path, was, ' at micro-step %d of its cycle' % place if place else
+            ' under a grad_steps schedule', "'updates'" if to_updates else
+            "'micro_steps'"))
+  dtype = reader.get_variable_to_dtype_map()[step].as_numpy_dtype
+  return np.array(value // grad_steps if to_updates else value * grad_steps,
+                  dtype)
 
 
 def _value(key, variable, state, reader, shapes, aliases, parts):

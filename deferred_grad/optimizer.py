@@ -118,7 +118,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   variable and hands their mean to the wrapped optimizer once per cycle, so
   that training matches one batch `grad_steps` times larger. Batch
   statistics stay per micro-batch; `global_step` counts micro-steps (feed
-  learning-rate schedules `applied_updates()`).
+  learning-rate schedules `applied_updates()`), or with
+  `global_step_counts='updates'` updates, as the large batch counts it.
 
   Two code paths build the cycle logic, as the original's: the GPU path
   (`use_tpu=False`) decides after a `merge_call`, and each replica's
@@ -141,7 +142,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                clip_norm=None,
                aggregation='mean',
                micro_batch_weight=None,
-               name='GradientAggregationOptimizer'):
+               name='GradientAggregationOptimizer',
+               global_step_counts='micro_steps'):
     """Constructs the wrapper (the README's keyword table links the guides).
 
     Args:
@@ -170,6 +172,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         cycle applies `sum(w_i * g_i) / sum(w_i)` (with 'sum', the numerator).
       name: the name scope of the ops `apply_gradients` makes, as every
         `tf.compat.v1.train.Optimizer` takes it.
+      global_step_counts: what the `global_step` passed to `apply_gradients`
+        counts: 'micro_steps' (the default, the original's: one per run) or
+        'updates' (one per cycle ended, as the large batch counts its
+        steps, so that schedules, `max_steps`, `save_checkpoints_steps` and
+        a moving average's `num_updates` read it as they did).
 
     Raises:
       TypeError: `opt` is not a `tf.compat.v1.train.Optimizer` (or is a
@@ -179,8 +186,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         a tensor nor a callable; `name` not a string.
       ValueError: `grad_steps` or `xla_num_partitions` is below 1 (or a
         tensor `grad_steps` is not a scalar); `accumulator_dtype` is not a
-        float dtype; `clip_norm` is not positive; `nonfinite_policy` or
-        `aggregation` is not one of the choices above.
+        float dtype; `clip_norm` is not positive; `nonfinite_policy`,
+        `aggregation` or `global_step_counts` is not one of the choices
+        above.
     """
     self._opt = arguments.check_optimizer(opt)
     self._grad_steps = arguments.check_grad_steps(grad_steps)
@@ -199,6 +207,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     self._policy = Policy.checked(nonfinite_policy, aggregation,
                                   micro_batch_weight is not None)
     arguments.check_name(name)
+    self._counts_updates = arguments.check_choice(
+        global_step_counts, arguments.GLOBAL_STEP_COUNTS,
+        'global_step_counts') == 'updates'
     super().__init__(use_locking=False, name=name)
     # The records of the train ops built (`records.Record`): their
     # counters, and the names of the ops that end their runs.
@@ -419,7 +430,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       grads_and_vars: (gradient, variable) pairs from `compute_gradients`;
         None gradients are skipped, a variable's repeats summed.
       global_step: optional integer `Variable`, which the wrapper increments
-        once per call (micro-step).
+        once per call (micro-step), or once per cycle ended with
+        `global_step_counts='updates'`.
       name: optional name for the returned op; all ops made here live under
         this name scope (default: the optimizer's name).
 
@@ -475,8 +487,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         record = records.of_train_op(
             replica, self._grad_steps, self._policy,
             own_counter=self._use_tpu or global_step is None or (
-                local is not None), global_step=global_step, local=local,
-            counts_dtype=counts_dtype, multi_worker=multi_worker)
+                local is not None) or self._counts_updates,
+            global_step=global_step, local=local, counts_dtype=counts_dtype,
+            multi_worker=multi_worker, counts_updates=self._counts_updates)
         if accumulates:  # each train op its own (see `accumulators`)
           accumulators = accumulators_lib.create(
               self._opt, present, record, sparse, self._accumulator_dtype,
@@ -657,6 +670,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       gradients = [_map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
                    for g, v in zip(gradients, part.var_list)]
       done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
+      records.warn_if_raw_global_step(done, part.record, self._grad_steps)
     resets = []
     if part.record.counts:
       with tf.control_dependencies([done]):

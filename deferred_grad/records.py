@@ -46,10 +46,15 @@ from deferred_grad import distribute
 tf = compat.import_tensorflow()
 
 SCHEDULE_NAMES = ('micro_step', 'cycle_length', 'applied_updates')
+_WEIGHTED, _COUNTS_UPDATES = checkpoints.WEIGHTED, checkpoints.COUNTS_UPDATES
 # Graph collections: [(global step key, whether it decides a cycle)] of the
 # train ops that count a global step; [[records of the n-th train op],
 # {replica id: train ops it built}].
 _COUNTED_STEPS = ('deferred_grad', 'counted_steps')
+# The tensors `applied_updates` made: the updates, not the raw global_step;
+# the global steps a raw read of was warned about.
+_UPDATES_TENSORS = ('deferred_grad', 'applied_updates')
+_WARNED = ('deferred_grad', 'warned_raw_global_step')
 _TRAIN_OPS = ('deferred_grad', 'train_ops')
 
 
@@ -84,19 +89,25 @@ class StepCycle(object):
   def variables(self):
     return [] if self.step is None or self.counts_global_step else [self.step]
 
-  def read(self, global_step=None):
+  def read(self, global_step=None, counts_updates=False):
     """The `Position` of the next micro-step: its step read, no write.
 
     Args:
       global_step: the `global_step` the train op counts, or None; where
         the cycle is decided on its own counter, the updates applied are
-        taken as `global_step // grad_steps` (`applied_updates`).
+        taken as `global_step // grad_steps` (`applied_updates`), or as
+        `global_step` itself where it counts updates.
+      counts_updates: whether `global_step` counts updates.
     """
     value = None if self.step is None else self.step.read_value()
     updates = None
     if self.counts_global_step or global_step is not None:
       counted = value if self.counts_global_step else global_step.read_value()
-      updates = tf.math.floordiv(tf.cast(counted, tf.int64), self.grad_steps)
+      # Counting updates, global_step is them: divided by 1 all the same, a
+      # value of its own (a ref variable's read may alias the buffer this
+      # run's increment changes in place).
+      updates = tf.math.floordiv(tf.cast(counted, tf.int64),
+                                 1 if counts_updates else self.grad_steps)
     if value is None:  # grad_steps=1: every micro-step is an update
       return Position(in_cycle=tf.constant(0, tf.int64), length=1,
                       is_end=True, updates=updates, step=None, checks=[])
@@ -166,9 +177,9 @@ class Schedule(object):
     with tf.control_dependencies([check]):
       return tf.reshape(value, []), [check]
 
-  def read(self, global_step=None):
+  def read(self, global_step=None, counts_updates=False):
     """The `Position` of the next micro-step: its counters read, no write."""
-    del global_step  # the updates are counted here
+    del global_step, counts_updates  # the updates are counted here
     # Copied (stacked): under ref variables (v1 behaviour) a read may
     # alias the variable's buffer, which `advance` then writes in place.
     in_cycle, held, updates = tf.unstack(tf.stack(
@@ -203,6 +214,8 @@ class Record(object):
     counts_dtype: the dtype of the counts.
     settings: (the settings variable, its first three values), or None
       (see `_settings_variable`).
+    counts_updates: whether `global_step` counts updates (one per cycle
+      ended), not micro-steps (`global_step_counts`).
 
   Attributes:
     position: the `Position` a run of this train op reads first (None
@@ -218,9 +231,10 @@ class Record(object):
   """
 
   def __init__(self, cycle, global_step, counts, skipped, counts_dtype,
-               settings=None):
+               settings=None, counts_updates=False):
     self.cycle = cycle
     self.global_step = global_step
+    self.counts_updates = counts_updates
     self.counts_dtype = counts_dtype
     self.counts = counts
     self.skipped_micro_batches, self.skipped_cycles = skipped
@@ -262,7 +276,7 @@ class Record(object):
               mutex=tf.raw_ops.MutexV2(name='run_lock'))
       with tf.control_dependencies(([self.lock] if locked else []) +
                                    list(checks)):
-        self.position = self.cycle.read(self.global_step)
+        self.position = self.cycle.read(self.global_step, self.counts_updates)
         if self.settings is not None and not in_xla:
           self.position = self.position._replace(
               checks=self.position.checks + [_settings_check(
@@ -294,10 +308,14 @@ class Record(object):
             tf.stack([tf.constant(v, tf.int64) for v in self.settings_values]
                      + [place]), read_value=False))
     if self.global_step is not None and not self.cycle.counts_global_step:
-      # Counted beside the cycle; locked, as workers sharing the global step
-      # on a parameter server may add at once.
+      # Counted beside the cycle (once per micro-step, or per cycle ended);
+      # locked, as workers sharing the global step on a parameter server
+      # may add at once.
+      count = 1
+      if self.counts_updates and not isinstance(position.is_end, bool):
+        count = tf.cast(position.is_end, self.global_step.dtype.base_dtype)
       with tf.control_dependencies([advanced]):
-        advanced = self.global_step.assign_add(1, use_locking=True,
+        advanced = self.global_step.assign_add(count, use_locking=True,
                                                read_value=False)
     if self.lock is None:
       return advanced
@@ -402,7 +420,7 @@ class Record(object):
 # ------------------------------------------------------------- creation --
 
 def of_train_op(replica, grad_steps, policy, own_counter, global_step, local,
-                counts_dtype, multi_worker):
+                counts_dtype, multi_worker, counts_updates=False):
   """The record of the train op being built, made once for all replicas.
 
   Under a multi-replica strategy every replica builds each train op: the
@@ -421,6 +439,7 @@ def of_train_op(replica, grad_steps, policy, own_counter, global_step, local,
     local: None (global variables), or a `distribute.WorkerLocal`.
     counts_dtype: the dtype of the cycle's counts.
     multi_worker: under a multi-worker strategy.
+    counts_updates: `global_step` counts updates (`global_step_counts`).
 
   Returns:
     A `Record`.
@@ -437,12 +456,12 @@ def of_train_op(replica, grad_steps, policy, own_counter, global_step, local,
   calls[replica] = index + 1
   if index == len(records):
     records.append(_create(grad_steps, policy, own_counter, global_step,
-                           local, counts_dtype, multi_worker))
+                           local, counts_dtype, multi_worker, counts_updates))
   return records[index]
 
 
 def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
-            multi_worker):
+            multi_worker, counts_updates):
   """Creates a train op's record and its variables (see `of_train_op`).
 
   With grad_steps=1 a micro-step is its cycle: its counts are tensors of
@@ -482,24 +501,28 @@ def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
                              + [v for v in skipped if v is not None])
     if accumulates:
       settings = _settings_variable(
-          [grad_steps if fixed else 0, int(policy.weighted),
+          [grad_steps if fixed else 0,
+           int(policy.weighted) | (_COUNTS_UPDATES if counts_updates else 0),
            arguments.NONFINITE_POLICIES.index(policy.nonfinite_policy)],
-          cycle)
-  return Record(cycle, global_step, counts, skipped, counts_dtype, settings)
+          cycle, global_step)
+  return Record(cycle, global_step, counts, skipped, counts_dtype, settings,
+                counts_updates)
 
 
-def _settings_variable(values, cycle):
+def _settings_variable(values, cycle, global_step):
   """A train op's settings variable, in the train op's name scope.
 
   `<scope>/deferred_grad_settings`, int64 [grad_steps or 0 for a schedule,
-  weighted, the `nonfinite_policy`'s index, the place in the cycle after
-  the last micro-step]: a partial cycle's sums mean what the settings they
-  were added under say (divided by that `grad_steps`, weighted or not), and
-  a checkpoint holds them beside the sums (`_settings_check`).
+  flags (1: weighted, `_COUNTS_UPDATES`: `global_step` counts updates), the
+  `nonfinite_policy`'s index, the place in the cycle after the last
+  micro-step]: a partial cycle's sums mean what the settings they were
+  added under say (divided by that `grad_steps`, weighted or not), and a
+  checkpoint holds them beside the sums (`_settings_check`).
 
   Args:
     values: the first three values.
     cycle: the train op's cycle (`StepCycle` or `Schedule`).
+    global_step: the `global_step` it counts, or None.
 
   Returns:
     (the variable, `values`).
@@ -510,7 +533,8 @@ def _settings_variable(values, cycle):
   # Where a checkpoint without settings (the original's) has its place.
   counter = cycle.in_cycle if isinstance(cycle, Schedule) else cycle.step
   checkpoints.add_settings(variable, values, (
-      counter.name.split(':')[0], cycle.grad_steps or None))
+      counter.name.split(':')[0], cycle.grad_steps or None), (
+          None if global_step is None else global_step.name.split(':')[0]))
   return variable, values
 
 
@@ -533,25 +557,39 @@ def _settings_check(variable, values, position):
   # The same grad_steps; weights and a policy kept (the sums do not depend
   # on the policy's kind; counts added are missing from the checkpoint,
   # which then starts the cycle afresh); the place it left.
-  kept = [tf.equal(saved[0], values[0]), tf.equal(saved[3], place)] + [
-      tf.equal(saved[i], 0) for i in (1, 2) if not values[i]]
+  flags = saved[1]
+  kept = [tf.equal(saved[0], values[0]), tf.equal(saved[3], place)]
+  if not values[1] & _WEIGHTED:
+    kept.append(tf.equal(tf.bitwise.bitwise_and(flags, _WEIGHTED), 0))
+  if not values[2]:
+    kept.append(tf.equal(saved[2], 0))
   continues = tf.reduce_all(tf.stack(kept))
   afresh = tf.logical_and(tf.equal(saved[3], 0), tf.equal(place, 0))
+  # What global_step counts, at any place (`checkpoints.convert_checkpoint`
+  # converts it).
+  same_count = tf.equal(tf.bitwise.bitwise_and(flags, _COUNTS_UPDATES),
+                        values[1] & _COUNTS_UPDATES)
   policy = arguments.NONFINITE_POLICIES[values[2]]
-  here = '%s, %s, nonfinite_policy=%r' % (
+  here = '%s, %s, nonfinite_policy=%r, global_step_counts=%r' % (
       'grad_steps=%d' % values[0] if values[0] else 'grad_steps a schedule',
-      'a micro_batch_weight' if values[1] else 'micro_batch_weight=None',
-      policy)
-  return tf.debugging.Assert(tf.logical_or(continues, afresh), [
+      'a micro_batch_weight' if values[1] & _WEIGHTED else
+      'micro_batch_weight=None', policy,
+      'updates' if values[1] & _COUNTS_UPDATES else 'micro_steps')
+  return tf.debugging.Assert(tf.logical_and(
+      same_count, tf.logical_or(continues, afresh)), [
       'GradientAggregationOptimizer: the restored checkpoint\'s cycle does '
       'not continue in this train op (%s): its partial sums would be applied '
-      'wrongly. It was saved with [grad_steps (0: a schedule), '
-      'micro_batch_weight (1: given), nonfinite_policy (0: None, 1: '
-      'skip_micro_batch, 2: skip_cycle), micro-steps of its cycle done] =' %
-      here, saved, '; here global_step places this run at micro-step', place,
+      'wrongly. It was saved with [grad_steps (0: a schedule), flags (1: a '
+      'micro_batch_weight, 2: global_step_counts=\'updates\'), '
+      'nonfinite_policy (0: None, 1: skip_micro_batch, 2: skip_cycle), '
+      'micro-steps of its cycle done] =' % here, saved,
+      '; here its counter places this run at micro-step', place,
       '. Restore it with the settings it was saved with and change them after '
       'a cycle\'s last micro-step; a new int grad_steps needs a global_step '
-      'that is a multiple of it (or give grad_steps as tf.constant(n)).'],
+      'that is a multiple of it (or give grad_steps as tf.constant(n)); '
+      'another global_step_counts needs deferred_grad.convert_checkpoint. '
+      'Without a restore: something else moved global_step (a script\'s own '
+      'increment beside the wrapper\'s, which counts it already: remove it).'],
                              summarize=4)
 
 
@@ -674,5 +712,68 @@ def applied_updates(global_step, grad_steps, name=None):
     if counting:  # read once per run, before the run counts
       return tf.cast(counting[-1].position.updates,
                      global_step.dtype.base_dtype)
-    return tf.math.floordiv(global_step, grad_steps)
+    updates = tf.math.floordiv(global_step, grad_steps)
+    updates.graph.add_to_collection(_UPDATES_TENSORS, updates)
+    return updates
 
+
+
+def warn_if_raw_global_step(op, record, grad_steps):
+  """Warns, once per graph and global step, where the wrapped optimizer's
+  update `op` reads the `global_step` that counts micro-steps raw.
+
+  A learning rate (or another hyperparameter) decayed on `global_step`
+  would advance `grad_steps` times too fast: the updates are
+  `applied_updates`, or `global_step` itself with
+  `global_step_counts='updates'`. Walks the update's inputs back (from a
+  control flow v2 branch to what it captured; not into a v1 cond's
+  predicate), stopping at the updates' tensors.
+
+  Args:
+    op: the op the wrapped optimizer's `apply_gradients` returned.
+    record: the train op's `Record`.
+    grad_steps: the wrapper's `grad_steps`, for the message.
+  """
+  step = record.global_step
+  if step is None or record.counts_updates or step.graph is None:
+    return
+  warned = step.graph.get_collection_ref(_WARNED)
+  if step.name in warned:
+    return
+  step_op = step.op.name
+  allowed = set(t.op.name for t in step.graph.get_collection(_UPDATES_TENSORS))
+  if tf.is_tensor(record.position.updates):
+    allowed.add(record.position.updates.op.name)
+  seen, pending = set(), [op]
+  while pending and len(seen) < 100000:
+    current = pending.pop()
+    captured = {inside.name: outside for outside, inside in
+                getattr(current.graph, 'captures', ())}
+    inputs = list(current.inputs)
+    if current.type in ('Switch', 'RefSwitch'):
+      inputs = inputs[:1]  # not the cond's predicate (the cycle's end)
+    if current.type == 'NoOp':  # a group of the optimizer's updates (not
+      # the orderings a v1 cond gives every op of its branch)
+      grouped = [c for c in current.control_inputs
+                 if c.name.startswith(op.name + '/') and
+                 (c.graph, c.name) not in seen]
+      pending.extend(grouped)
+      seen.update((c.graph, c.name) for c in grouped)
+    for tensor in inputs:
+      tensor = captured.get(tensor.name, tensor)
+      if tensor.op.name == step_op and tensor.graph is step.graph:
+        warned.append(step.name)
+        tf.compat.v1.logging.warning(
+            'GradientAggregationOptimizer: the wrapped optimizer reads %s '
+            '(through %s), which counts micro-steps: a schedule on it '
+            'advances %s times too fast. Pass global_step_counts=\'updates\' '
+            'to the wrapper, or give the schedule '
+            'deferred_grad.applied_updates(global_step, grad_steps) (or the '
+            'wrapper\'s applied_updates()).', step.op.name, current.name,
+            'grad_steps=%d' % grad_steps if isinstance(grad_steps, int)
+            else 'grad_steps')
+        return
+      if (tensor.graph, tensor.op.name) not in seen and (
+          tensor.op.name not in allowed):
+        seen.add((tensor.graph, tensor.op.name))
+        pending.append(tensor.op)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import behavior
+import scripts
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 README = os.path.join(ROOT, 'README.md')
@@ -53,6 +54,7 @@ def test_the_complete_script_runs_and_prints_what_the_readme_says():
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           universal_newlines=True, timeout=300)
   assert result.returncode == 0, result.stdout
+  scripts.assert_no_porting_warning(result.stdout)
   match = re.search(r'global_step (\d+), (\d+) updates, loss ([\d.]+)',
                     result.stdout)
   assert match, result.stdout
