@@ -15,7 +15,9 @@ import pytest
 import tensorflow as tf
 
 import deferred_grad
+import models
 import scripts
+import training
 
 K, MICRO, UPDATES = 4, 8, 6
 RTOL, ATOL = 1e-5, 1e-6
@@ -373,3 +375,36 @@ def test_a_schedule_on_the_updates_is_not_warned(use_tpu, kind):
 
 def test_a_raw_schedule_counting_updates_is_not_warned(use_tpu):
   assert not _warnings(_schedule_on('raw', use_tpu, 'updates'))
+
+
+def _momentum_on_global_step(unused_step):
+  """Momentum whose learning rate decays on the raw global_step (read where
+  the optimizer applies)."""
+  return tf.compat.v1.train.MomentumOptimizer(
+      lambda: tf.compat.v1.train.exponential_decay(
+          0.1, tf.compat.v1.train.get_global_step(), 2, 0.5, staircase=True),
+      0.9)
+
+
+@pytest.mark.parametrize('wrapper_per_replica', [False, True])
+def test_under_mirrored_strategy(wrapper_per_replica):
+  """Two replicas, each half of a micro-batch: global_step counts updates
+  once, not once per replica."""
+  x, y = models.make_data(UPDATES * K, training.REPLICAS * MICRO)
+  mirrored = training.MirroredTrainer(
+      _momentum_on_global_step, K, wrapper_per_replica=wrapper_per_replica,
+      global_step_counts='updates')
+  with mirrored.graph.as_default(), tf.compat.v1.Session() as session:
+    session.run(mirrored.init_op)
+    for step in range(UPDATES * K):
+      mirrored.micro_step(session, x[step], y[step])
+    actual = session.run(mirrored.variables)
+    assert session.run(mirrored.global_step) == UPDATES
+  bare = training.Trainer(_momentum_on_global_step)
+  with bare.session() as session:
+    for update in range(UPDATES):
+      cycle = slice(update * K, (update + 1) * K)
+      bare.micro_step(session, np.concatenate(x[cycle]),
+                      np.concatenate(y[cycle]))
+    expected = session.run(bare.variables)
+  training.assert_same_training([actual], [expected])
