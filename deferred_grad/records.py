@@ -577,19 +577,21 @@ def _settings_check(variable, values, position):
       'updates' if values[1] & _COUNTS_UPDATES else 'micro_steps')
   return tf.debugging.Assert(tf.logical_and(
       same_count, tf.logical_or(continues, afresh)), [
-      'GradientAggregationOptimizer: the restored checkpoint\'s cycle does '
-      'not continue in this train op (%s): its partial sums would be applied '
+      'GradientAggregationOptimizer: the cycle of the restored checkpoint '
+      'does not continue in this train op (%s): its partial sums would be '
+      'applied '
       'wrongly. It was saved with [grad_steps (0: a schedule), flags (1: a '
       'micro_batch_weight, 2: global_step_counts=\'updates\'), '
       'nonfinite_policy (0: None, 1: skip_micro_batch, 2: skip_cycle), '
       'micro-steps of its cycle done] =' % here, saved,
       '; here its counter places this run at micro-step', place,
       '. Restore it with the settings it was saved with and change them after '
-      'a cycle\'s last micro-step; a new int grad_steps needs a global_step '
-      'that is a multiple of it (or give grad_steps as tf.constant(n)); '
-      'another global_step_counts needs deferred_grad.convert_checkpoint. '
-      'Without a restore: something else moved global_step (a script\'s own '
-      'increment beside the wrapper\'s, which counts it already: remove it).'],
+      'the last micro-step of a cycle; a new int grad_steps needs a '
+      'global_step that is a multiple of it (or give grad_steps as '
+      'tf.constant(n)); another global_step_counts needs '
+      'deferred_grad.convert_checkpoint. Without a restore, something else '
+      'moved global_step: the script increments it beside the wrapper, which '
+      'counts it already (remove that increment).'],
                              summarize=4)
 
 

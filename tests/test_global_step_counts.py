@@ -408,3 +408,24 @@ def test_under_mirrored_strategy(wrapper_per_replica):
                       np.concatenate(y[cycle]))
     expected = session.run(bare.variables)
   training.assert_same_training([actual], [expected])
+
+
+def test_a_script_s_own_increment_beside_the_wrapper_s_fails_naming_it():
+  """BERT's shape: the script adds 1 to global_step after a train op that
+  counts it already. Counting micro-steps the cycle is read from
+  global_step, and the next micro-step finds it moved: an error naming the
+  script's increment, not cycles that apply at the wrong micro-steps."""
+  with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable('w', [2])
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    train_op = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), K).minimize(
+            tf.reduce_sum(w * w), global_step=global_step)
+    with tf.control_dependencies([train_op]):
+      train_op = tf.group(train_op, global_step.assign_add(1))
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match='the script increments it beside the wrapper'):
+        for _ in range(K):
+          session.run(train_op)
