@@ -140,22 +140,39 @@ _CURVES = {'bert': [(2, 100.0, 100.0), (4, 104.0, 150.0), (8, 103.0, None)],
            'resnet': [(4, 50.0, 50.0), (8, 52.0, 90.0)]}
 
 
-def test_the_scale_plot_is_an_svg_without_matplotlib(tmp_path, monkeypatch):
-  from benchmarks import scale  # pylint: disable=g-import-not-at-top
-  monkeypatch.setitem(sys.modules, 'matplotlib', None)  # not installed
-  path = str(tmp_path / 'scale.svg')
-  scale.write_plot(path, _CURVES, 120)
-  with open(path) as f:
-    svg = f.read()
-  assert svg.startswith('<svg') and 'BERT-base' in svg and 'budget' in svg
-  # Any other format needs matplotlib: --plot fails as the flags are
-  # parsed, naming the flag, the file and what to install.
-  problem = scale.plot_problem('scale.png')
-  assert 'writing .png needs matplotlib' in problem, problem
-  assert '-m pip install matplotlib' in problem, problem
-  with pytest.raises(ValueError, match=r'--plot=.*scale\.png: writing'):
-    scale.write_plot(str(tmp_path / 'scale.png'), _CURVES, 120)
-  assert not os.path.exists(str(tmp_path / 'scale.png'))
+def _in_a_fresh_process(code, tmp_path):
+  """Runs `code` (with `scale` imported from tools/benchmarks) in a process
+  of its own: `benchmarks.common` defines absl flags that a guide imported
+  by another test of this process may have defined already."""
+  prelude = ('import os, sys\nsys.path.insert(0, %r)\n'
+             'from benchmarks import scale\ntmp = %r\nCURVES = %r\n' % (
+                 scripts.TOOLS, str(tmp_path), _CURVES))
+  result = subprocess.run([sys.executable, '-c', prelude + code],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True, timeout=120)
+  assert result.returncode == 0, result.stdout
+  return result.stdout
+
+
+def test_the_scale_plot_is_an_svg_without_matplotlib(tmp_path):
+  _in_a_fresh_process('''
+sys.modules['matplotlib'] = None  # not installed
+path = os.path.join(tmp, 'scale.svg')
+scale.write_plot(path, CURVES, 120)
+svg = open(path).read()
+assert svg.startswith('<svg') and 'BERT-base' in svg and 'budget' in svg
+# Any other format needs matplotlib: --plot fails as the flags are parsed,
+# naming the flag, the file and what to install.
+problem = scale.plot_problem('scale.png')
+assert 'writing .png needs matplotlib' in problem, problem
+assert '-m pip install matplotlib' in problem, problem
+try:
+  scale.write_plot(os.path.join(tmp, 'scale.png'), CURVES, 120)
+  raise AssertionError('no ValueError')
+except ValueError as e:
+  assert '--plot=' in str(e) and 'scale.png: writing' in str(e), e
+assert not os.path.exists(os.path.join(tmp, 'scale.png'))
+''', tmp_path)
   output = subprocess.run(
       [sys.executable, '-c', 'import sys; sys.modules["matplotlib"] = None; '
        'sys.argv = ["benchmark.py", "--suites=scale", "--plot=scale.png"]; '
@@ -171,16 +188,15 @@ def test_the_scale_plot_is_an_svg_without_matplotlib(tmp_path, monkeypatch):
 
 def test_the_scale_plot_in_matplotlib_s_formats(tmp_path):
   pytest.importorskip('matplotlib')
-  from benchmarks import scale  # pylint: disable=g-import-not-at-top
-  for name, magic in (('scale.png', b'\x89PNG\r\n\x1a\n'),
-                      ('scale.pdf', b'%PDF-')):
-    path = str(tmp_path / name)
-    scale.write_plot(path, _CURVES, 120)
-    with open(path, 'rb') as f:
-      assert f.read(len(magic)) == magic, name
-  path = str(tmp_path / 'scale.svg')
-  scale.write_plot(path, _CURVES, 120)
-  with open(path) as f:
-    svg = f.read()
-  assert '<svg' in svg and 'BERT-base' in svg and 'ResNet-50' in svg
-  assert 'matplotlib writes' in scale.plot_problem('scale.xyz')
+  _in_a_fresh_process('''
+for name, magic in (('scale.png', b'\\x89PNG\\r\\n\\x1a\\n'),
+                    ('scale.pdf', b'%PDF-')):
+  path = os.path.join(tmp, name)
+  scale.write_plot(path, CURVES, 120)
+  assert open(path, 'rb').read(len(magic)) == magic, name
+path = os.path.join(tmp, 'scale.svg')
+scale.write_plot(path, CURVES, 120)
+svg = open(path).read()
+assert '<svg' in svg and 'BERT-base' in svg and 'ResNet-50' in svg
+assert 'matplotlib writes' in scale.plot_problem('scale.xyz')
+''', tmp_path)
