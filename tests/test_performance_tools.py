@@ -62,8 +62,10 @@ def test_the_scale_suite_runs_at_toy_sizes_and_keeps_its_books(tmp_path):
 
 
 def _measure(tmp_path, *flags):
+  # Its output's form, not stable figures: a few short rounds.
   output = scripts.run_tool('measure_model.py', '--cycles=1',
-                            '--budget_mb=4000', '--search_up_to=2', *flags)
+                            '--budget_mb=4000', '--search_up_to=2',
+                            '--max_rounds=4', '--max_seconds=10', *flags)
   # Each time with its last rounds' min-max, and NOT STABLE where they
   # did not settle.
   rows = re.findall(r'\| (bare optimizer, batch \S+|deferred_grad, K x b) '
