@@ -38,6 +38,8 @@ the same variable. The records live in graph collections under tuple keys
 import collections
 import contextlib
 
+import numpy as np
+
 from deferred_grad import arguments
 from deferred_grad import checkpoints
 from deferred_grad import compat
@@ -212,8 +214,10 @@ class Record(object):
     skipped: (micro-batches, cycles) int64 totals of what a
       `nonfinite_policy` skipped, or (None, None).
     counts_dtype: the dtype of the counts.
-    settings: (the settings variable, its first three values), or None
-      (see `_settings_variable`).
+    settings: (the settings variable, its first three values, the
+      variable holding the `global_step` the last micro-step left under
+      `global_step_counts='updates'` or None), or None (see
+      `_settings_variable`).
     counts_updates: whether `global_step` counts updates (one per cycle
       ended), not micro-steps (`global_step_counts`).
 
@@ -238,12 +242,14 @@ class Record(object):
     self.counts_dtype = counts_dtype
     self.counts = counts
     self.skipped_micro_batches, self.skipped_cycles = skipped
-    self.settings, self.settings_values = settings or (None, None)
-    self.position = self.lock = self.updated = None
+    self.settings, self.settings_values, self.step_left = (
+        settings or (None, None, None))
+    self.position = self.lock = self.updated = self.step_read = None
     self.op_names, self.lists = [], {}
     self.counters = cycle.variables() + [
         counts[name] for name in sorted(counts or {})] + [
-            v for v in skipped + (self.settings,) if v is not None]
+            v for v in skipped + (self.settings, self.step_left)
+            if v is not None]
 
   def begin_run(self, locked, checks=(), in_xla=False):
     """Takes the run's lock (if `locked`) and reads the `Position`, once.
@@ -278,9 +284,17 @@ class Record(object):
                                    list(checks)):
         self.position = self.cycle.read(self.global_step, self.counts_updates)
         if self.settings is not None and not in_xla:
+          checks = [_settings_check(self.settings, self.settings_values,
+                                    self.position)]
+          if self.step_left is not None:
+            # A value of its own (a ref variable's read may alias the
+            # buffer this run's increment changes in place).
+            self.step_read = tf.math.floordiv(
+                tf.cast(self.global_step.read_value(), tf.int64), 1)
+            checks.append(_step_check(self.global_step, self.step_left,
+                                      self.step_read))
           self.position = self.position._replace(
-              checks=self.position.checks + [_settings_check(
-                  self.settings, self.settings_values, self.position)])
+              checks=self.position.checks + checks)
     return self.lock, self.position
 
   def advance(self, position, after):
@@ -298,7 +312,8 @@ class Record(object):
       The op that ends the micro-step.
     """
     derived = [t for t in (position.in_cycle, position.is_end,
-                           position.updates) if tf.is_tensor(t)]
+                           position.updates, self.step_read)
+               if tf.is_tensor(t)]
     with tf.control_dependencies([after] + derived):
       advanced = self.cycle.advance(position)
       if self.settings is not None:  # the settings, and the place after it
@@ -307,6 +322,10 @@ class Record(object):
         advanced = tf.group(advanced, self.settings.assign(
             tf.stack([tf.constant(v, tf.int64) for v in self.settings_values]
                      + [place]), read_value=False))
+      if self.step_read is not None:  # what the script's next run must find
+        advanced = tf.group(advanced, self.step_left.assign(
+            self.step_read + tf.cast(position.is_end, tf.int64),
+            read_value=False))
     if self.global_step is not None and not self.cycle.counts_global_step:
       # Counted beside the cycle (once per micro-step, or per cycle ended);
       # locked, as workers sharing the global step on a parameter server
@@ -524,9 +543,21 @@ def _settings_variable(values, cycle, global_step):
     cycle: the train op's cycle (`StepCycle` or `Schedule`).
     global_step: the `global_step` it counts, or None.
 
+  Under `global_step_counts='updates'` a second variable,
+  `<scope>/deferred_grad_global_step`, holds the `global_step` the last
+  micro-step left (-1: not known, afresh): only the wrapper moves it then,
+  so a run that finds it moved meets a script's own increment
+  (`_step_check`).
+
   Returns:
-    (the variable, `values`).
+    (the variable, `values`, the second variable or None).
   """
+  step_left = None
+  if values[1] & _COUNTS_UPDATES and global_step is not None:
+    step_left = tf.compat.v1.Variable(
+        lambda: tf.constant(-1, tf.int64), name='deferred_grad_global_step',
+        trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    checkpoints.add_to_state([step_left], np.array(-1, np.int64))
   variable = tf.compat.v1.Variable(
       lambda: tf.constant(values + [0], tf.int64), name='deferred_grad_settings',
       trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -535,7 +566,29 @@ def _settings_variable(values, cycle, global_step):
   checkpoints.add_settings(variable, values, (
       counter.name.split(':')[0], cycle.grad_steps or None), (
           None if global_step is None else global_step.name.split(':')[0]))
-  return variable, values
+  return variable, values, step_left
+
+
+def _step_check(global_step, step_left, step_read):
+  """An op that fails a micro-step finding `global_step` moved since the
+  wrapper's last micro-step (`global_step_counts='updates'`, where the
+  wrapper alone moves it, once per cycle ended).
+
+  Args:
+    global_step: the `global_step` variable.
+    step_left: the variable holding what the last micro-step left, or -1.
+    step_read: `global_step` as this run read it (int64).
+  """
+  left = step_left.read_value()
+  return tf.debugging.Assert(
+      tf.logical_or(tf.equal(left, -1), tf.equal(left, step_read)), [
+          'GradientAggregationOptimizer: %s counts updates '
+          '(global_step_counts=updates), and the wrapper alone adds to '
+          'it, once per cycle ended; it left' % global_step.op.name,
+          tf.cast(left, tf.int32), 'and this run found', tf.cast(
+              step_read, tf.int32),
+          '. Something else moved it: the script increments it beside the '
+          'wrapper, which counts it already (remove that increment).'])
 
 
 def _settings_check(variable, values, position):
