@@ -8,7 +8,8 @@ set. MODE is 'session' (a raw Session), 'monitored'
 worker 1's part of micro-step BAD_STEP has a NaN target; 'extra_read': a raw
 Session where worker 0 alone also reads the global step as hooks do, once,
 mid-training; 'monitored_stop': MonitoredTrainingSession with a
-StopAtStepHook, looping until it stops; 'uneven': worker 0 makes one more
+StopAtStepHook, looping until it stops ('monitored_stop_updates': the same
+with global_step_counts='updates', stopped at the updates); 'uneven': worker 0 makes one more
 run with the collective options than worker 1 (a mistake: it must fail within
 the options' timeout, not hang); 'monitored_resume': MonitoredTrainingSession
 stopped at a cycle boundary and started again on the same checkpoint_dir,
@@ -249,13 +250,15 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
   x_data, y_data = _micro_batches(
       task, model, EMBEDDING_GRAD_STEPS if mode == 'embedding' else GRAD_STEPS)
   policy = mode if mode in POLICIES else None
+  counts_updates = mode.endswith('_updates')
   if policy and task == BAD_TASK:
     y_data[BAD_STEP, 0, 0] = np.nan
   with tf.Graph().as_default(), strategy.scope():
     global_step, x, y, variables, train_op, optimizer = _build(
         strategy, policy, grad_steps, model,
         models.MICRO_BATCH if mode == 'embedding' else None,
-        **({'clip_norm': CLIP_NORM} if mode == 'embedding_clip' else {}))
+        **({'clip_norm': CLIP_NORM} if mode == 'embedding_clip' else {}),
+        **({'global_step_counts': 'updates'} if counts_updates else {}))
     barrier = deferred_grad.collective_barrier(strategy)
     # The first barrier waits for a late worker; 'uneven' bounds the runs
     # after it by 8 s, which its refused run must reach.
@@ -272,7 +275,7 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
     hook_read = training_util._get_or_create_global_step_read()  # pylint: disable=protected-access
     if mode.startswith('monitored_resume'):
       pass  # graphs of its own, below
-    elif mode not in ('monitored', 'monitored_stop'):
+    elif mode not in ('monitored', 'monitored_stop', 'monitored_stop_updates'):
       session = tf.compat.v1.Session(server.target, config=config)
       session.run(tf.compat.v1.global_variables_initializer())
       session.run(barrier, options=barrier_options)
@@ -296,9 +299,9 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
     else:
       final = _FinalWeights(variables)
       hooks = [final]
-      if mode == 'monitored_stop':
+      if mode.startswith('monitored_stop'):  # at micro-steps, or updates
         hooks.append(tf.compat.v1.train.StopAtStepHook(
-            last_step=len(x_data)))
+            last_step=len(x_data) // (GRAD_STEPS if counts_updates else 1)))
       # Every worker runs the collective initializers: all are chiefs.
       with tf.compat.v1.train.MonitoredTrainingSession(
           master=server.target, config=config, is_chief=True, hooks=hooks,
@@ -306,7 +309,7 @@ def _train(strategy, server, config, task, mode, checkpoint_dir):
           save_summaries_secs=None, log_step_count_steps=None) as session:
         session.run(barrier, options=options)
         batches = list(feeds())
-        if mode == 'monitored_stop':
+        if mode.startswith('monitored_stop'):
           step = 0
           while not session.should_stop():
             session.run(train_op, batches[step], options=options)

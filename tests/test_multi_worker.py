@@ -140,6 +140,8 @@ def _large_batch_without(bad_step, bad_task, policy):
     # initial value's broadcast; StopAtStepHook makes such a read.
     ('extra_read', [0, 0]),
     ('monitored_stop', [0, 0]),
+    # global_step_counts='updates': StopAtStepHook at the large batch's step
+    ('monitored_stop_updates', [0, 0]),
     ('monitored_resume', [0, 0]),  # at a cycle boundary; worker 0 saves
 ])
 def test_workers_train_like_one_large_batch(tmp_path, mode, delays):

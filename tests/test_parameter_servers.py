@@ -83,7 +83,7 @@ def _size(workers):
 
 def identifiable_model(index, size, ps_tasks, use_tpu, table,
                        queue_name='updates', policy=None, poison=-1,
-                       weighted=False, grad_steps=K):
+                       weighted=False, grad_steps=K, counts='micro_steps'):
   """The model of the module docstring, built under the caller's devices.
 
   Args:
@@ -97,6 +97,7 @@ def identifiable_model(index, size, ps_tasks, use_tpu, table,
     poison: the micro-batch whose gradient is NaN (-1: none).
     weighted: weigh micro-batch i by `_weight(i)` (`micro_batch_weight`).
     grad_steps: the wrapper's (an int or a schedule).
+    counts: the wrapper's `global_step_counts`.
 
   Returns:
     (loss, the wrapper, the queue on ps 0 where each update is recorded).
@@ -118,7 +119,8 @@ def identifiable_model(index, size, ps_tasks, use_tpu, table,
                                shared_name=queue_name, name='updates')
   opt = deferred_grad.GradientAggregationOptimizer(
       _Recording(queue), grad_steps, use_tpu=use_tpu, nonfinite_policy=policy,
-      micro_batch_weight=_weight(index) if weighted else None)
+      micro_batch_weight=_weight(index) if weighted else None,
+      global_step_counts=counts)
   return loss, opt, queue
 
 
@@ -127,7 +129,7 @@ def _weight(index):
 
 
 def _build(run, task, workers, ps_tasks, use_tpu, table, policy=None,
-           poison=-1, weighted=False, grad_steps=K):
+           poison=-1, weighted=False, grad_steps=K, counts='micro_steps'):
   """Builds worker `task`'s graph; returns what the worker and test need."""
   setter = tf.compat.v1.train.replica_device_setter(
       ps_tasks=ps_tasks, worker_device='/job:worker/task:%d' % task)
@@ -138,7 +140,8 @@ def _build(run, task, workers, ps_tasks, use_tpu, table, policy=None,
     loss, opt, queue = identifiable_model(index, _size(workers), ps_tasks,
                                           use_tpu, table,
                                           'run%d_updates' % run, policy,
-                                          poison, weighted, grad_steps)
+                                          poison, weighted, grad_steps,
+                                          counts)
     train_op = opt.minimize(loss, global_step=global_step)
   by_name = {v.op.name[len(scope.name) + 1:]: v
              for v in tf.compat.v1.global_variables()}
@@ -178,7 +181,7 @@ class _AbortOnce(tf.compat.v1.train.SessionRunHook):
 
 def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
            policy=None, poison=-1, weighted=False, abort_at=None,
-           grad_steps=K):
+           grad_steps=K, counts='micro_steps'):
   """Trains `workers` threads; returns the final state seen from the ps.
 
   Returns:
@@ -196,7 +199,7 @@ def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
     try:
       with tf.Graph().as_default():
         built = _build(run, task, workers, ps_tasks, use_tpu, table, policy,
-                       poison, weighted, grad_steps)
+                       poison, weighted, grad_steps, counts)
         local_variables[task] = tf.compat.v1.local_variables()
         target = worker_servers[task].target
         if monitored:
@@ -250,7 +253,7 @@ def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
 
 
 def _check(updates, state, workers, table=False, skipped_block=None,
-           recovered=None):
+           recovered=None, counts='micro_steps'):
   """Checks the recorded updates and the final state.
 
   Args:
@@ -262,6 +265,8 @@ def _check(updates, state, workers, table=False, skipped_block=None,
     recovered: {task: recoveries}: a worker whose session was re-created
       (a restart) drops its partial cycle, at most K - 1 micro-batches each
       time, and its cycles then start where it resumed.
+    counts: the wrapper's `global_step_counts`: 'updates' counts one per
+      update any worker applied.
   """
   recovered = recovered or {}
   size = _size(workers)
@@ -289,8 +294,10 @@ def _check(updates, state, workers, table=False, skipped_block=None,
     else:  # nothing lost
       np.testing.assert_array_equal(applied[part], expected[part])
   global_step, w, w2 = state[:3]
-  # A failed run may have counted its micro-step before the retry.
-  assert size <= global_step <= size + sum(recovered.values())
+  if counts == 'updates':
+    assert global_step == len(updates)
+  else:  # A failed run may have counted its micro-step before the retry.
+    assert size <= global_step <= size + sum(recovered.values())
   np.testing.assert_array_equal(w, -applied / K)
   np.testing.assert_array_equal(w2, -2 * applied / K)
   if table:
@@ -326,6 +333,16 @@ def test_a_recovered_session_drops_only_its_partial_cycle(cluster, use_tpu):
   _check(updates, state, 2, recovered=recovered)
   starts = sorted(np.flatnonzero(u)[0] for u in updates)
   assert starts == [0, 4, 8, 15, 19], starts
+
+
+def test_global_step_counts_the_updates_of_every_worker(cluster, use_tpu):
+  """global_step_counts='updates': each worker's update adds one, as each
+  worker's step of the asynchronous large batch does."""
+  for _ in range(REPEATS):
+    updates, state, _, _ = _train(cluster, 2, 1, use_tpu, monitored=False,
+                                  counts='updates')
+    assert len(updates) == _size(2) // K
+    _check(updates, state, 2, counts='updates')
 
 
 def test_three_workers(cluster, use_tpu):
