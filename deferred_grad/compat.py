@@ -1,34 +1,15 @@
-"""TensorFlow versions, small helpers over public APIs, three private names.
+"""TensorFlow versions, small helpers over public APIs, and the one list of
+the private TensorFlow names the package uses (`PRIVATE_NAMES`).
 
-The package builds on TensorFlow's public API: beside the original module's
-own internals (the wrapped optimizer's slot and non-slot functions, and the
-`Trackable` methods a `tf.compat.v1.train.Optimizer` saves its state
-through), the Saver's `saveable_object` and the XLA sharding helper the
-original used, it reads three private names, all here. Two because no
-public API does what they do and without them a build fails or a job hangs;
-one for speed, measured:
-
-* `in_xla_context`: `Graph._get_control_flow_context`. Inside an XLA
-  computation (a TPU rewrite, `xla.compile`) only compilable ops may be
-  made: no run lock (a mutex), no `Assert`, tables accumulated densely.
-* `plain_global_step_read`: `training_util.GLOBAL_STEP_READ_KEY`, the graph
-  collection that hooks read the global step from. Under
-  `MultiWorkerMirroredStrategy` the read cached there by default runs a
-  collective on every fetch, and hooks then hang the workers.
-* `cond`: an `If`'s `_lower_using_switch_merge` attribute, set False where
-  the `If`'s resources share a device, so that it runs as a function and
-  only its taken branch runs. Lowered (TensorFlow's default), a micro-step
-  that does not apply pushes dead tensors through the apply branch: 5-11%
-  slower cycles on many small variables with Adam and 5-7% on a small
-  table, measured side by side (CHANGELOG). Where TensorFlow refuses the
-  attribute, the `If` stays lowered: slower, the same numbers.
-
-Each is tested where it matters (tests/test_xla.py, the multi-worker tests,
-tests/test_costs.py); tests/test_structure.py keeps other private names out
-of the package.
+The package builds on TensorFlow's public API. Where no public API does
+the job, it uses a private name, each listed in `PRIVATE_NAMES` with its
+reason, the original module's own uses marked as such;
+tests/test_private_names.py finds every one in the source's syntax tree
+and fails on one not listed (or listed and no longer used).
 """
 
 import re
+import types
 import warnings
 
 MIN_TF_VERSION = (2, 15)
@@ -71,6 +52,83 @@ def import_tensorflow():
 
 
 tf = import_tensorflow()
+
+# Every private TensorFlow name the package uses: an attribute beginning
+# with `_` on an object it did not define (or a method of TensorFlow's it
+# overrides), a `tensorflow.python` import, a raw op, and private strings
+# TensorFlow reads. {name: (where, why; "the original's" where the original
+# module used it too)}, read-only.
+PRIVATE_NAMES = types.MappingProxyType({
+    # The wrapped optimizer's slot and non-slot machinery, the subclass API
+    # every tf.compat.v1.train.Optimizer is built on.
+    '_name': ('optimizer', "the original's: the optimizer's default name "
+              'scope, as every tf.compat.v1.train.Optimizer keeps it'),
+    '_create_slots': ('checkpoints', "the original's: the wrapped "
+                      "optimizer's slots and non-slot variables, made "
+                      'before its apply step (made inside the cond, they '
+                      'could not be initialized)'),
+    '_zeros_slot': ('accumulators', "the original's: an accumulator of a "
+                    'variable of unknown static shape, as a slot'),
+    '_get_or_make_slot_with_initializer': (
+        'accumulators', 'an accumulator as a slot, zeros made at run time '
+        '(no constant as large as the variable in the graph)'),
+    '_restore_slot_variable': (
+        'accumulators', "a table's list of rows restored from an "
+        'object-based checkpoint made before it'),
+    '_non_slot_dict': ('checkpoints', "the wrapped optimizer's non-slot "
+                       "variables (Adam's powers) and their keys, to give "
+                       'their names in other graphs to convert_checkpoint'),
+    # Object-based checkpoints (tf.train.Checkpoint, Keras save_weights):
+    # the wrapper shows the wrapped optimizer's state as its own.
+    '_handle_deferred_dependencies': (
+        'optimizer, checkpoints', 'a counter or non-slot variable restored '
+        'from an object-based checkpoint before it was made'),
+    '_trackable_children': ('optimizer', 'override: the wrapped '
+                            "optimizer's children and the wrapper's "
+                            'counters'),
+    '_lookup_dependency': ('optimizer', 'override: finds them by name'),
+    '_create_or_restore_slot_variable': (
+        'optimizer', "override: slots restore into the wrapped optimizer's"),
+    # Graph building.
+    '_get_control_flow_context': (
+        'compat', 'inside an XLA computation only compilable ops may be '
+        'made (no mutex, no Assert): no public test for it'),
+    '_set_attr': ('compat', 'sets `_lower_using_switch_merge` below'),
+    '_lower_using_switch_merge': (
+        'compat', 'an If unlowered runs only its taken branch: 5-11% faster '
+        'cycles measured (CHANGELOG); without it, slower and the same'),
+    'tensorflow.python.training': (
+        'compat', 'GLOBAL_STEP_READ_KEY, the collection hooks read the '
+        'global step from: under MultiWorkerMirroredStrategy the default '
+        'read runs a collective on every fetch and hooks hang the workers'),
+    'tensorflow.python.compiler.xla.experimental': (
+        'compat', "the original's XLA sharding helper, where TensorFlow "
+        'moved it'),
+    'tensorflow.compiler.xla.experimental.xla_sharding': (
+        'compat', "the original's import of the same helper"),
+    '_CHECKPOINTABLE_OBJECT_GRAPH': (
+        'checkpoints', 'the key of the object graph in a checkpoint, left '
+        'out of a converted copy (it names keys that change)'),
+    # Raw ops: no public function makes these.
+    'Empty': ('accumulators', 'zeros made at run time, not a constant as '
+              'large as the variable'),
+    'VariableShape': ('accumulators', "a resource variable's shape without "
+                      'reading (copying) its value'),
+    'DisableCopyOnRead': ('accumulators', 'after a scatter reset, dense '
+                          'reads stop copying the accumulator'),
+    'ApplyGradientDescent': ('accumulators', 'an in-place add of a scaled '
+                             'gradient to a ref variable, one kernel'),
+    'ResourceApplyGradientDescent': ('accumulators', 'the same for a '
+                                     'resource variable'),
+    'MutexV2': ('records', "a train op's run lock, held for the whole "
+                'run (tf.CriticalSection holds one around the ops of one '
+                'function only)'),
+    'MutexLock': ('records', 'takes the lock before the cycle is read'),
+    'ConsumeMutexLock': ('records', 'releases it once the micro-step is '
+                         'counted'),
+    'SaveV2': ('checkpoints', "convert_checkpoint writes its copy: "
+               'tf.train.Checkpoint writes objects, not these names'),
+})
 
 
 def keras_major_version():

@@ -27,7 +27,8 @@ The mechanics are one call away, called with values and returning values:
 `accumulators` (the cycle's sums), `records` (the train op's record: its
 cycle, counters, lock), `distribute` (where replicas and workers meet),
 `checkpoints` (state, names, conversion), `arguments` (checks) and
-`compat` (TensorFlow versions, the two private names kept).
+`compat` (TensorFlow versions; `PRIVATE_NAMES`, every private TensorFlow
+name in use, with its reason).
 """
 
 import collections

@@ -1,6 +1,7 @@
 """compat.py: what it finds out about TensorFlow, by public means where one
-exists (the two private names it keeps are tested where they matter:
-tests/test_xla.py, tests/test_multi_worker.py)."""
+exists (its private names, `compat.PRIVATE_NAMES`, are tested where they
+matter: tests/test_xla.py, tests/test_multi_worker.py, tests/test_costs.py;
+and listed whole by tests/test_private_names.py)."""
 
 import numpy as np
 import tensorflow as tf

@@ -5,23 +5,18 @@ from one to another (the algorithm reads top to bottom in optimizer.py,
 its mechanics one call away): a dense model, an embedding table, and both
 under MirroredStrategy (its replica threads and merge_call traced). No
 module keeps mutable state at module level (state lives on the wrapper,
-its train ops' records, and graph collections). TensorFlow's private
-modules are imported only where allowed: compat.py (the two private names
-it documents, the XLA sharding helper the original used) and the Saver's
-`saveable_object` in checkpoints.py; no frame inspection. Under a strategy
-AutoGraph converts the replica function, but none of the package's.
+its train ops' records, and graph collections). Under a strategy AutoGraph
+converts the replica function, but none of the package's. (The private
+TensorFlow names: test_private_names.py.)
 """
 
 import ast
 import collections
 import importlib
-import io
 import os
 import pkgutil
-import re
 import sys
 import threading
-import tokenize
 import weakref
 
 import numpy as np
@@ -180,60 +175,3 @@ def test_no_module_keeps_mutable_state():
                  for name, value in vars(module).items()
                  if not name.startswith('__') and isinstance(value, mutable))
   assert not found, found
-
-
-def _code_words(path):
-  """(the modules a file imports, the names and string literals of its
-  code: docstrings and comments left out)."""
-  with open(path) as source:
-    text = source.read()
-  tree = ast.parse(text)
-  imported = set()
-  docstrings = set()
-  for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom):
-      imported.add(node.module)
-    elif isinstance(node, ast.Import):
-      imported.update(alias.name for alias in node.names)
-    elif isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
-      body = node.body
-      if body and isinstance(body[0], ast.Expr) and isinstance(
-          body[0].value, ast.Constant) and isinstance(body[0].value.value,
-                                                      str):
-        docstrings.add(body[0].lineno)
-  words = [token.string for token in tokenize.generate_tokens(
-      io.StringIO(text).readline)
-           if token.type in (tokenize.NAME, tokenize.STRING) and
-           token.start[0] not in docstrings]
-  return imported, words
-
-
-def test_private_tensorflow_names_only_where_allowed():
-  """Private modules: compat.py's documented names and the XLA sharding
-  helper, the Saver's saveable_object; the private names compat.py keeps
-  (the XLA context, an unlowered If, the hooks' global step read) nowhere
-  else; no frame inspection, no private TensorFlow op or graph class."""
-  allowed_modules = {
-      'compat.py': {'tensorflow.python.training',
-                    'tensorflow.python.compiler.xla.experimental',
-                    'tensorflow.compiler.xla.experimental.xla_sharding'},
-      'checkpoints.py': {'tensorflow.python.training.saving'},
-  }
-  kept = re.compile(r'_get_control_flow_context|_set_attr|'
-                    r'_lower_using_switch_merge|GLOBAL_STEP_READ_KEY')
-  forbidden = re.compile(
-      r'^inspect$|currentframe|f_back|f_locals|_getframe|_VarHandlesOp|'
-      r'_ReadVariablesOp|cond_v2|FuncGraph|^ref_variable$|'
-      r'_get_on_device_or_primary|_in_multi_worker_mode|create_op')
-  offenders = []
-  for name in sorted(os.listdir(_PACKAGE)):
-    if not name.endswith('.py'):
-      continue
-    imported, words = _code_words(os.path.join(_PACKAGE, name))
-    offenders.extend(
-        (name, module) for module in imported
-        if re.match(r'tensorflow\.(python|compiler)', module) and
-        module not in allowed_modules.get(name, ()))
-    offenders.extend((name, word) for word in words if forbidden.search(
-        word) or (kept.search(word) and name != 'compat.py'))
-  assert not offenders, offenders
