@@ -694,10 +694,10 @@ def _list_of_rows(opt, variable, columns, dtype, owner, local, mirrored):
     else:
       stack.enter_context(tf.compat.v1.colocate_with(variable))
       initial = lambda: empty_list(columns, dtype)
-    listed = owner.lists[id(variable)] = tf.compat.v1.Variable(
+    listed = owner.add_list(variable, tf.compat.v1.Variable(
         initial, dtype=dtype, name=name, trainable=False,
         validate_shape=False, shape=tf.TensorShape(None),
-        use_resource=not compat.is_ref_variable(variable))
+        use_resource=not compat.is_ref_variable(variable)))
   checkpoints.add_to_state(  # afresh: a list of no rows
       [listed], np.zeros([1, columns], dtype.as_numpy_dtype))
   opt._restore_slot_variable(slot_name_of(listed), variable, listed)  # pylint: disable=protected-access
@@ -782,7 +782,7 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
     with (tf.compat.v1.variable_creator_scope(distribute.summed_on_save)
           if summed else contextlib.nullcontext()):
       slots.append(_dense_slot(opt, variable, own_dtype, owner, local))
-  local_slots = compat.local_variables(slots)
+  local_slots = compat.replica_components(slots)
   accumulators = []
   for (gradient, variable, own_dtype, columns), slot, local_slot, handle in (
       zip(pairs, slots, local_slots, compat.handles(local_slots))):

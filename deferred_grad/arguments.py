@@ -139,8 +139,8 @@ def check_bool(value, arg_name):
 # SyncReplicasOptimizer aggregates gradients across workers round by round on
 # the chief and drops stale ones: its rounds would not match the cycles.
 _SYNC_REPLICAS = (
-    'SyncReplicasOptimizer does not compose with GradientAggregationOptimizer. '
-    'On parameter servers each worker accumulates on its own without it '
+    'SyncReplicasOptimizer does not compose with GradientAggregationOptimizer: '
+    'its rounds would not match the cycles. On parameter servers each worker accumulates on its own without it '
     '(tools/examples/parameter_server_example.py); for synchronous training '
     'use MultiWorkerMirroredStrategy (tools/examples/multi_worker_example.py).')
 
@@ -166,7 +166,7 @@ def check_optimizer(opt):
       `SyncReplicasOptimizer`.
   """
   if isinstance(opt, tf.compat.v1.train.SyncReplicasOptimizer):
-    raise TypeError('opt is a ' + _SYNC_REPLICAS)
+    raise TypeError('opt is a SyncReplicasOptimizer. ' + _SYNC_REPLICAS)
   return _require(isinstance(opt, tf.compat.v1.train.Optimizer),
                   'opt must be a tf.compat.v1.train.Optimizer (e.g. '
                   'tf.compat.v1.train.AdamOptimizer)', opt)
@@ -412,8 +412,8 @@ def check_apply_gradients(grads_and_vars, global_step, name,
   present = [_checked_pair(index, g, v)
              for index, (g, v) in enumerate(grads_and_vars) if g is not None]
   if any(getattr(g, 'values', g).op.type in _AGGREGATED for g, _ in present):
-    raise ValueError('GradientAggregationOptimizer is wrapped by a ' +
-                     _SYNC_REPLICAS)
+    raise ValueError('GradientAggregationOptimizer is wrapped by a '
+                     'SyncReplicasOptimizer. ' + _SYNC_REPLICAS)
   if not present:
     raise ValueError('No gradients provided for any variable: %s.' %
                      ([v.name for _, v in grads_and_vars],))

@@ -225,7 +225,7 @@ def replica_index():
       tf.get_static_value(context.replica_id_in_sync_group) or 0)
 
 
-def local_variables(variables):
+def replica_components(variables):
   """The variables a replica updates: its own components of mirrored ones.
 
   In a replica context, updates of a `MirroredVariable` whose aggregation is
@@ -315,6 +315,6 @@ def plain_global_step_read(global_step):
     return
   # An absolute name scope (ending in '/'): the variable's, not the caller's.
   with tf.init_scope(), graph.name_scope(global_step.op.name + '/'):
-    read_value = tf.identity(local_variables([global_step])[0].read_value(),
-                             name='plain_read')
+    read_value = tf.identity(
+        replica_components([global_step])[0].read_value(), name='plain_read')
   reads[:] = cached[:] = [read_value]

@@ -19,7 +19,11 @@ all-reduces inside the apply step, so replicas talk only on the micro-steps
 that apply. The TPU path decides inside the replica, where an XLA
 computation keeps the whole step. What a cycle applies is decided by a few
 pure functions of the counts (`Policy`, `_increments`,
-`_should_apply`, `_factor`), as optax's `skip_not_finite`. What a model
+`_should_apply`, `_factor`). (Unlike optax's `MultiSteps` with
+`skip_not_finite`, a micro-batch skipped by `nonfinite_policy` still counts
+as a micro-step of its cycle: the cycle's length stays `grad_steps` runs,
+as the schedules, checkpoints and step limits counted in runs expect.)
+What a model
 runs once per update beside the train op hangs on the same decision
 (`once_per_update`).
 
@@ -599,11 +603,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                            name='updated')
 
     with tf.control_dependencies(list(micro_steps) + marks):
-      record.updated = compat.cond(record.position.is_end, apply_step,
-                                   lambda: tf.constant(False))
-    op = record.advance(record.position, record.updated)  # 6.
-    record.op_names.append(op.name)
-    return op
+      updated = compat.cond(record.position.is_end, apply_step,
+                            lambda: tf.constant(False))
+    return record.advance(record.position, updated)  # 6.
 
   def _apply_step(self, distribution, part, restart, multi_worker):
     """5. Sum the counts over replicas once, decide; on each, apply, reset.

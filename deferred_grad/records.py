@@ -297,24 +297,26 @@ class Record(object):
               checks=self.position.checks + checks)
     return self.lock, self.position
 
-  def advance(self, position, after):
-    """Counts the micro-step at `position` once `after` has run; releases
-    the run's lock.
+  def advance(self, position, updated):
+    """Counts the micro-step at `position` once its work has run; releases
+    the run's lock. Records `updated` and the op that ends the run.
 
     After every value derived from the position's read too: under ref
     variables (v1 behaviour) a read may alias the buffer written here.
 
     Args:
       position: the `Position` that `begin_run` read.
-      after: the op of the micro-step's work (adds, apply step).
+      updated: a boolean scalar, True where the run applied an update,
+        which ends the micro-step's work (adds, apply step).
 
     Returns:
       The op that ends the micro-step.
     """
+    self.updated = updated
     derived = [t for t in (position.in_cycle, position.is_end,
                            position.updates, self.step_read)
                if tf.is_tensor(t)]
-    with tf.control_dependencies([after] + derived):
+    with tf.control_dependencies([updated] + derived):
       advanced = self.cycle.advance(position)
       if self.settings is not None:  # the settings, and the place after it
         place = tf.where(position.is_end, tf.constant(0, tf.int64),
@@ -336,14 +338,24 @@ class Record(object):
       with tf.control_dependencies([advanced]):
         advanced = self.global_step.assign_add(count, use_locking=True,
                                                read_value=False)
-    if self.lock is None:
-      return advanced
-    with tf.control_dependencies([advanced]), tf.device('/device:CPU:0'):
-      return tf.raw_ops.ConsumeMutexLock(mutex_lock=self.lock)
+    if self.lock is not None:
+      with tf.control_dependencies([advanced]), tf.device('/device:CPU:0'):
+        advanced = tf.raw_ops.ConsumeMutexLock(mutex_lock=self.lock)
+    self.op_names.append(advanced.name)
+    return advanced
+
+  def add_list(self, table, listed):
+    """Records `listed`, the list of rows of `table` (`accumulators`).
+
+    Returns:
+      `listed`.
+    """
+    self.lists[id(table)] = listed
+    return listed
 
   def _local_counts(self):
     """This replica's components of the counts ([] without counts)."""
-    return compat.local_variables(list((self.counts or {}).values()))
+    return compat.replica_components(list((self.counts or {}).values()))
 
   def add_counts(self, increments):
     """Adds a micro-step's increments to this replica's counts.

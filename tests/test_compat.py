@@ -32,7 +32,7 @@ def test_a_replica_updates_its_own_component():
   with tf.Graph().as_default(), strategy.scope():
     v = tf.compat.v1.Variable(1.0)
     found = strategy.extended.call_for_each_replica(
-        lambda: compat.local_variables([v])[0])
+        lambda: compat.replica_components([v])[0])
     components = strategy.experimental_local_results(v)
     assert list(strategy.experimental_local_results(found)) == list(
         components)

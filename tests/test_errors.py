@@ -535,7 +535,8 @@ def test_sync_replicas_optimizer_is_refused_at_graph_build():
   # do not keep cycles of micro-batches together.
   sgd = tf.compat.v1.train.GradientDescentOptimizer(1.0)
   sync = tf.compat.v1.train.SyncReplicasOptimizer(sgd, replicas_to_aggregate=2)
-  with pytest.raises(TypeError, match='SyncReplicasOptimizer does not compose'):
+  with pytest.raises(TypeError, match=r'^opt is a SyncReplicasOptimizer\. '
+                     'SyncReplicasOptimizer does not compose'):
     deferred_grad.GradientAggregationOptimizer(sync, 2)
   with tf.Graph().as_default():
     global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -543,7 +544,8 @@ def test_sync_replicas_optimizer_is_refused_at_graph_build():
     wrapper = deferred_grad.GradientAggregationOptimizer(sgd, 2)
     outer = tf.compat.v1.train.SyncReplicasOptimizer(wrapper,
                                                      replicas_to_aggregate=2)
-    with pytest.raises(ValueError, match='wrapped by a SyncReplicasOptimizer'):
+    with pytest.raises(ValueError, match=r'wrapped by a SyncReplicasOptimizer'
+                       r'\. SyncReplicasOptimizer does not compose'):
       outer.minimize(tf.reduce_sum(w * w), global_step=global_step)
 
 
