@@ -673,7 +673,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       gradients = [_map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
                    for g, v in zip(gradients, part.var_list)]
       done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
-      records.warn_if_raw_global_step(done, part.record, self._grad_steps)
+      records.check_schedule_reads(done, part.record, self._grad_steps)
     resets = []
     if part.record.counts:
       with tf.control_dependencies([done]):

@@ -785,32 +785,66 @@ def applied_updates(global_step, grad_steps, name=None):
 
 
 
-def warn_if_raw_global_step(op, record, grad_steps):
-  """Warns, once per graph and global step, where the wrapped optimizer's
-  update `op` reads the `global_step` that counts micro-steps raw.
+def check_schedule_reads(op, record, grad_steps):
+  """Checks what the wrapped optimizer's update `op` reads as its step.
 
-  A learning rate (or another hyperparameter) decayed on `global_step`
-  would advance `grad_steps` times too fast: the updates are
-  `applied_updates`, or `global_step` itself with
-  `global_step_counts='updates'`. Walks the update's inputs back (from a
-  control flow v2 branch to what it captured; not into a v1 cond's
-  predicate), stopping at the updates' tensors.
+  Counting micro-steps, a learning rate (or another hyperparameter) decayed
+  on the raw `global_step` advances `grad_steps` times too fast: a warning,
+  once per graph and global step, names the fixes. Counting updates
+  (`global_step_counts='updates'`), `deferred_grad.applied_updates(
+  global_step, grad_steps)` made before the train op divides the updates
+  by `grad_steps` again: an error.
 
   Args:
     op: the op the wrapped optimizer's `apply_gradients` returned.
     record: the train op's `Record`.
-    grad_steps: the wrapper's `grad_steps`, for the message.
+    grad_steps: the wrapper's `grad_steps`, for the messages.
+
+  Raises:
+    ValueError: counting updates, the update reads
+      `deferred_grad.applied_updates` of this `global_step`.
   """
   step = record.global_step
-  if step is None or record.counts_updates or step.graph is None:
+  if step is None:
+    return
+  divided = [t.op.name for t in step.graph.get_collection(_UPDATES_TENSORS)
+             if _reads(t.op, {step.op.name}, set(), step.graph)]
+  if record.counts_updates:
+    found = _reads(op, set(divided), set(), step.graph)
+    if found is not None:
+      raise ValueError(
+          'The wrapped optimizer reads deferred_grad.applied_updates(%s, '
+          'grad_steps) (%s), which divides global_step by grad_steps; with '
+          'global_step_counts=\'updates\' global_step counts the updates '
+          'already: give the schedule global_step itself.' %
+          (step.op.name, found))
     return
   warned = step.graph.get_collection_ref(_WARNED)
   if step.name in warned:
     return
-  step_op = step.op.name
-  allowed = set(t.op.name for t in step.graph.get_collection(_UPDATES_TENSORS))
+  allowed = set(divided)
   if tf.is_tensor(record.position.updates):
     allowed.add(record.position.updates.op.name)
+  found = _reads(op, {step.op.name}, allowed, step.graph)
+  if found is not None:
+    warned.append(step.name)
+    tf.compat.v1.logging.warning(
+        'GradientAggregationOptimizer: the wrapped optimizer reads %s '
+        '(through %s), which counts micro-steps: a schedule on it '
+        'advances %s times too fast. Pass global_step_counts=\'updates\' '
+        'to the wrapper, or give the schedule '
+        'deferred_grad.applied_updates(global_step, grad_steps) (or the '
+        'wrapper\'s applied_updates()).', step.op.name, found,
+        'grad_steps=%d' % grad_steps if isinstance(grad_steps, int)
+        else 'grad_steps')
+
+
+def _reads(op, targets, stops, graph):
+  """The name of the op through which `op` reads one of the ops named
+  `targets` in `graph`, walking its inputs back (from a control flow v2
+  branch to what it captured; not into a v1 cond's predicate; through the
+  NoOps grouping `op`'s own ops), not past the ops named `stops`; or None.
+  """
   seen, pending = set(), [op]
   while pending and len(seen) < 100000:
     current = pending.pop()
@@ -828,19 +862,10 @@ def warn_if_raw_global_step(op, record, grad_steps):
       seen.update((c.graph, c.name) for c in grouped)
     for tensor in inputs:
       tensor = captured.get(tensor.name, tensor)
-      if tensor.op.name == step_op and tensor.graph is step.graph:
-        warned.append(step.name)
-        tf.compat.v1.logging.warning(
-            'GradientAggregationOptimizer: the wrapped optimizer reads %s '
-            '(through %s), which counts micro-steps: a schedule on it '
-            'advances %s times too fast. Pass global_step_counts=\'updates\' '
-            'to the wrapper, or give the schedule '
-            'deferred_grad.applied_updates(global_step, grad_steps) (or the '
-            'wrapper\'s applied_updates()).', step.op.name, current.name,
-            'grad_steps=%d' % grad_steps if isinstance(grad_steps, int)
-            else 'grad_steps')
-        return
+      if tensor.op.name in targets and tensor.graph is graph:
+        return current.name
       if (tensor.graph, tensor.op.name) not in seen and (
-          tensor.op.name not in allowed):
+          tensor.op.name not in stops):
         seen.add((tensor.graph, tensor.op.name))
         pending.append(tensor.op)
+  return None

@@ -5,8 +5,8 @@ as an int or a schedule of a constant length: a tensor under
 MirroredStrategy, a callable everywhere; both code paths, MirroredStrategy with the
 wrapper built once or inside the replica function, `sparse_as_dense`,
 `nonfinite_policy`, `accumulator_dtype`, `clip_norm`, `aggregation`,
-`micro_batch_weight`, `xla_num_partitions`, partitioned tables, with or
-without a `global_step`) from a seed of its own, trains it on micro-batches
+`micro_batch_weight`, `xla_num_partitions`, `global_step_counts`,
+partitioned tables, with or without a `global_step`) from a seed of its own, trains it on micro-batches
 and compares every variable after each cycle with the bare optimizer
 trained on the large batches. What the keywords change is put into the
 reference's gradients, independently of the wrapper: 'sum' applies
@@ -65,6 +65,9 @@ def _draw(case):
           aggregation=rng.choice(['mean', 'mean', 'sum'])))
   if rng.random() < 0.2:
     config['wrapper']['xla_num_partitions'] = 2
+  # Drawn last: the draws above stay those of earlier releases' cases.
+  config['wrapper']['global_step_counts'] = rng.choice(
+      ['micro_steps', 'micro_steps', 'updates'])
   if config['optimizer'] == 'AdagradDA':
     # Reads the step it is given: `applied_updates` of an int cycle.
     config.update(kind='int', use_global_step=True)
@@ -131,7 +134,10 @@ def _trainer(config):
     trainer = training.Trainer(
         make_optimizer, _grad_steps(config),
         use_global_step=config['use_global_step'],
-        step_tensor='auto' if config['kind'] == 'int' else None,
+        # (Counting updates, global_step is the updates.)
+        step_tensor=None if config['kind'] != 'int' else (
+            'global_step' if config['wrapper']['global_step_counts'] ==
+            'updates' else 'auto'),
         model=config['model'], model_kwargs=_model_kwargs(config),
         weight_fn=weight_fn, **config['wrapper'])
     trainer.micro_steps = steps

@@ -378,6 +378,20 @@ def test_a_raw_schedule_counting_updates_is_not_warned(use_tpu):
   assert not _warnings(_schedule_on('raw', use_tpu, 'updates'))
 
 
+def test_applied_updates_counting_updates_is_refused_naming_it(use_tpu):
+  """`deferred_grad.applied_updates(global_step, K)`, the micro-step
+  counting's fix, left in a port to 'updates': it would divide the updates
+  by K again."""
+  with pytest.raises(ValueError, match=r'applied_updates\(global_step, '
+                     r'grad_steps\).*global_step itself'), \
+      tf.Graph().as_default():
+    _schedule_on('applied_updates', use_tpu, 'updates')()
+
+
+def test_the_method_counting_updates_is_not_refused(use_tpu):
+  assert not _warnings(_schedule_on('method', use_tpu, 'updates'))
+
+
 def _momentum_on_global_step(unused_step):
   """Momentum whose learning rate decays on the raw global_step (read where
   the optimizer applies)."""
