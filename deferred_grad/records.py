@@ -749,7 +749,9 @@ def applied_updates(global_step, grad_steps, name=None):
 
   With a schedule (`grad_steps` a tensor or a callable) the updates are
   not a function of `global_step`: use the wrapper's
-  `GradientAggregationOptimizer.applied_updates()` there.
+  `GradientAggregationOptimizer.applied_updates()` there. With
+  `global_step_counts='updates'`, `global_step` is the updates: a schedule
+  reads it directly (a wrapped optimizer reading this tensor is refused).
 
   Args:
     global_step: the integer step variable (or tensor) passed to
