@@ -1,4 +1,5 @@
-"""Checks of the wrapper's arguments: each error names the argument and value."""
+"""Checks of the wrapper's arguments: each error names the argument and
+value."""
 
 import numbers
 
@@ -139,8 +140,9 @@ def check_bool(value, arg_name):
 # SyncReplicasOptimizer aggregates gradients across workers round by round on
 # the chief and drops stale ones: its rounds would not match the cycles.
 _SYNC_REPLICAS = (
-    'SyncReplicasOptimizer does not compose with GradientAggregationOptimizer: '
-    'its rounds would not match the cycles. On parameter servers each worker accumulates on its own without it '
+    'SyncReplicasOptimizer does not compose with '
+    'GradientAggregationOptimizer: its rounds would not match the cycles. On '
+    'parameter servers each worker accumulates on its own without it '
     '(tools/examples/parameter_server_example.py); for synchronous training '
     'use MultiWorkerMirroredStrategy (tools/examples/multi_worker_example.py).')
 

@@ -571,7 +571,8 @@ def _settings_variable(values, cycle, global_step):
         trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     checkpoints.add_to_state([step_left], np.array(-1, np.int64))
   variable = tf.compat.v1.Variable(
-      lambda: tf.constant(values + [0], tf.int64), name='deferred_grad_settings',
+      lambda: tf.constant(values + [0], tf.int64),
+      name='deferred_grad_settings',
       trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
   # Where a checkpoint without settings (the original's) has its place.
   counter = cycle.in_cycle if isinstance(cycle, Schedule) else cycle.step
