@@ -1,40 +1,12 @@
-"""Gradient accumulators: a train op's sums of the cycle, on one replica.
+"""Gradient accumulators: a train op's sums over a cycle, on one replica.
 
-Each variable that receives a gradient gets an accumulator holding the sum
-of the cycle's micro-batch gradients divided by the cycle's length (the
-original's scale, `sum(g) / grad_steps`, so that its checkpoints restore
-mid-cycle). `create` makes a replica's `Accumulators`, which the optimizer
-calls with values:
-
-* `add(gradients, length, finite)`: the micro-step's op adding
-  `gradient / length` to each (none where `finite` is False);
-* `read()`: the cycle's sums, for the apply step, as a `Read`;
-* `reset(after)`: empties them for the next cycle, after `after`.
-
-One kind per kind of gradient sits behind it, all with `add`, `read` and
-`reset`:
-
-* `DenseAccumulator`: a slot of the wrapped optimizer shaped like its
-  variable (`<variable>/GradientAccumulator`), added to and zeroed in
-  place, one kernel each (with `xla_num_partitions`, through the XLA
-  sharding rule, `sharding`). Also a table's where shapes must be static
-  (inside XLA: its rows scatter-added, the whole handed on, as the
-  original did) or where it is asked for (`sparse_as_dense`).
-* `RowListAccumulator`: a table's (sparse gradients, `tf.IndexedSlices`)
-  wherever shapes may change: the rows looked up, each beside its id, so
-  that memory follows the rows a cycle looks up, not the table (one
-  process, MirroredStrategy, parameter-server workers,
-  MultiWorkerMirroredStrategy).
-* `PassThrough`: with grad_steps=1 nothing accumulates; the apply step gets
-  the micro-step's own gradients.
-
-Two costs shape the kernels, each measured with `tools/benchmark`: on many
-small variables a step costs the ops the executor schedules (a few
-microseconds each on a 2-core CPU), so an add is one kernel (SGD's, with
-rate -1/length, the rate one op for all of a dtype); and the accumulators
-are as large as the parameters, so no buffer as large as them is kept:
-zeros are made at run time (`run_time_zeros`), and a large accumulator is
-zeroed in its own buffer (`_zero`).
+Each accumulator holds `sum(g) / grad_steps` of the cycle's micro-batches,
+the original's scale, so that its checkpoints restore mid-cycle. `create`
+makes a replica's `Accumulators`, over a `DenseAccumulator` (a slot updated
+in place), a `RowListAccumulator` (a table's rows looked up, each with its
+id) or a `PassThrough` (grad_steps=1) per variable. As a step costs the ops
+it schedules, an add is one kernel; as accumulators are as large as the
+parameters, no buffer as large as them is kept.
 """
 
 import collections
@@ -61,19 +33,11 @@ SHARED_ZEROS_MAX_BYTES = 1 << 20
 
 
 def run_time_zeros(shape, dtype=tf.float32, partition_info=None):
-  """Zeros of `shape`, made when run, in a buffer a variable takes over.
-
-  An accumulator's initial value made of constant zeros (the original's
-  zeros slot; `tf.zeros`, which the graph optimizer folds into a constant
-  up to 10 MB a tensor, also a fill of a `placeholder_with_default`) is
-  kept by the session for its life and copied into the variable: at least
-  2x the parameter bytes while initialising. The zero-initialised `Empty`
-  op is made at run time and handed over whole: 1x (40 variables of 5 MB,
-  RSS over their initialisation: `tf.zeros` +403 MB, a filled placeholder
-  +423 MB with a peak of +609, `Empty` +204).
+  """Zeros of `shape`, made at run time: constant zeros would be kept by the
+  session for its life and copied into the variable.
 
   Args:
-    shape: the shape, a list or a 1-D integer tensor.
+    shape: a list or a 1-D integer tensor.
     dtype: the element type.
     partition_info: unused; part of the initializer signature.
 
@@ -86,20 +50,11 @@ def run_time_zeros(shape, dtype=tf.float32, partition_info=None):
 
 
 def _zero(variable, handle, shared_zeros, in_xla):
-  """Sets every element of `variable` to zero in its own buffer; the op.
+  """An op zeroing `variable` in place (`handle`: None for a ref variable).
 
-  A small variable (at most `SHARED_ZEROS_MAX_BYTES`) is assigned zeros
-  from `shared_zeros`, one tensor per shape, dtype and device made once per
-  apply step. A larger one gets a scatter of one scalar zero over all of
-  its rows: no buffer as large as the variable (assigning its own zeros,
-  the wrapper's peak RSS over a bare micro-batch step was 2.47x the
-  parameter bytes on the benchmark's MLP; this way 1.14x-1.23x, 1x being
-  the accumulators). A scatter switches a resource variable to copy-on-read
-  mode, in which every later dense read copies it; `DisableCopyOnRead`
-  switches it back. Inside XLA, which updates in place by itself, and for a
-  variable without rows, a plain assign. `handle`: the variable's, None for
-  a ref variable.
-  """
+  A large one gets a scalar zero scattered over its rows (no buffer as large
+  as it), then `DisableCopyOnRead`, as a scatter makes it copy-on-read.
+  Inside XLA, which updates in place by itself, an assign."""
   dtype = variable.dtype.base_dtype
   if not variable.shape.rank or in_xla:
     return variable.assign(tf.zeros(tf.shape(variable), dtype),
@@ -118,7 +73,7 @@ def _zero(variable, handle, shared_zeros, in_xla):
             tf.raw_ops.VariableShape(input=handle, out_type=tf.int64))[0]
   with tf.device(compat.host_device(variable.device)):
     # On the host, as shapes are, and at run time: a folded constant of row
-    # ids would stay for the session's life (8 bytes a row).
+    # ids would stay for the session's life.
     rows = tf.range(tf.compat.v1.placeholder_with_default(
         tf.cast(rows, tf.int64), []))
   zeroed = tf.compat.v1.scatter_update(variable, rows, tf.zeros([], dtype)).op
@@ -138,18 +93,12 @@ def _divided(values, length):
 class DenseAccumulator(object):
   """Accumulates dense gradients in place, and zeroes them in place.
 
-  With `num_partitions` (`xla_num_partitions`) every read carries the XLA
-  sharding rule (`sharding`): a micro-step adds to the sharded read (a
-  table's rows inside XLA are scatter-added, and only the apply step's read
-  carries the rule, as the micro-steps read nothing).
-
   Args:
-    local: this replica's component of the accumulator variable (the
-      variable itself without one).
+    local: this replica's component of the accumulator (or the variable).
     handle: `local`'s resource handle, None for a ref variable.
-    in_xla: built inside an XLA computation.
-    num_partitions: None, or `xla_num_partitions`.
-    rows: a table's inside XLA (its gradients are IndexedSlices).
+    in_xla: whether built inside an XLA computation.
+    num_partitions: `xla_num_partitions` (reads are sharded), or None.
+    rows: whether gradients are a table's IndexedSlices, inside XLA.
   """
 
   shared = False  # each replica its own
@@ -163,12 +112,10 @@ class DenseAccumulator(object):
     self._rows = rows
 
   def add(self, gradient, length, scale):
-    """accumulator += gradient / length (`scale`: 1/`length` in its dtype).
+    """Returns an op adding `gradient / length` (`scale`: 1/`length`).
 
-    A table's rows (an IndexedSlices) inside XLA are scatter-added: the cost
-    follows the rows looked up; elsewhere (sparse_as_dense) densified.
-    Sharded, the original's `/ length`; else one kernel, SGD's with rate
-    -`scale`, in place: no temporary."""
+    Unsharded, a dense add is one in-place kernel: SGD with rate -`scale`.
+    """
     dtype = self.local.dtype.base_dtype
     sharded = self._num_partitions is not None
     if self._rows:
@@ -189,8 +136,8 @@ class DenseAccumulator(object):
                                                    alpha=-scale, delta=value)
 
   def read(self):
-    """The cycle's sum; a sharded table's (added to by rows) with the rule,
-    as its micro-steps do not read it."""
+    """The cycle's sum; a sharded table's carries the rule here, as its
+    micro-steps do not read it."""
     value = self.local.read_value()
     if self._rows and self._num_partitions is not None:
       return sharding.shard(value, self._num_partitions)
@@ -212,7 +159,7 @@ def sum_by_id(ids, rows):
     rows: a tensor with a row per id.
 
   Returns:
-    (the unique ids in their order of first appearance, their summed rows).
+    (the unique ids in order of first appearance, their summed rows).
   """
   unique, positions = tf.unique(ids)
   return unique, tf.math.unsorted_segment_sum(rows, positions,
@@ -220,28 +167,23 @@ def sum_by_id(ids, rows):
 
 
 def list_columns(variable, dtype):
-  """A `RowListAccumulator`'s columns for `variable` in `dtype`, or None.
-
-  None where that kind cannot hold `variable`'s rows: a shape unknown at
-  graph build, or a dtype wider than an id (8 bytes). A row id takes the
-  first `8 // dtype.size` columns.
-  """
+  """The columns of `variable`'s row list in `dtype`: an int64 id's, then a
+  row's; None where the shape is not static or `dtype` is wider than an id."""
   if not variable.shape.is_fully_defined() or dtype.size > 8:
     return None
   return 8 // dtype.size + variable.shape[1:].num_elements()
 
 
 def empty_list(columns, dtype):
-  """A list of no rows (its header: 0 rows) and no room, of no static
-  shape: the list grows (also to a restored dense accumulator's shape), and
-  graph optimizers must not fold it."""
+  """A list of no rows (a header of 0), of no static shape: the list grows,
+  and graph optimizers must not fold it."""
   return tf.compat.v1.placeholder_with_default(tf.zeros([1, columns], dtype),
                                                None)
 
 
 def _recorded_length(row, dtype):
-  """The int64 that a list's header, `row` (row 0), records in its id
-  columns; meaningless for another value, of any shape."""
+  """The int64 length that a list's header `row` records; meaningless for
+  another value."""
   columns = 8 // dtype.size  # an int64's
   head = tf.concat([tf.reshape(row, [-1]), tf.zeros([columns], dtype)], 0)
   return tf.bitcast(head[:columns] if columns > 1 else head[0], tf.int64)
@@ -250,61 +192,25 @@ def _recorded_length(row, dtype):
 class RowListAccumulator(object):
   """A table's accumulator in memory proportional to the rows looked up.
 
-  The one accumulator of a table wherever shapes may change from run to
-  run: one process, a multi-replica strategy, parameter-server workers,
-  `MultiWorkerMirroredStrategy` (inside XLA and with `sparse_as_dense` a
-  table is accumulated densely, `DenseAccumulator`).
-
-  The list `<table>/GradientAccumulator` is a variable of shape
-  [1 + capacity, id columns + row width]. Row 0 is a header: the number n
-  of rows listed, an int64 bitcast into the id columns. Rows 1 to n each
-  hold an int64 id, its 8 bytes bitcast into the first columns
-  (`list_columns`), then that row's gradient; the rows after them are free.
-  Ids and rows stay in one variable, under the original's name, so that
-  every Saver (also one given `tf.compat.v1.global_variables()`) saves the
-  partial sums, and the original's checkpoints (a dense accumulator under
-  that name) restore into it. Each micro-step writes its rows (divided by
-  the cycle's length) and the new header in place, one scatter: its cost
-  follows its own rows, not the list's or the table's. Where they do not
-  fit, the list is rebuilt with up to twice the room, first added up by id
-  where it is longer than the table. The apply step hands the list on as an
-  `IndexedSlices`, a row per id looked up, repeated ids and all, as the
-  large batch's gradient holds them, also a row whose sum is exactly zero
-  (a masked padding id); the reset sets n to 0.
-
-  A restored dense accumulator (the original's, which a plain Saver
-  restores here too) becomes the list of its non-zero rows at the next
-  micro-step: the list's state, read on every micro-step for its room,
-  tells the two apart by their columns. Under a multi-replica strategy in
-  one process the replicas share one list, the first component of a
-  mirrored variable (the one a checkpoint saves; writing every component
-  alike cost 9-12% a micro-step on tables of 100k rows and more): each
-  replica's micro-step only packs its rows (`rows`), appended in replica
-  order where they meet (`append`); the first replica hands the cycle's
-  rows on, the others an empty `IndexedSlices`, and the wrapped optimizer's
-  all-reduce adds them up. A checkpoint holds the list as one process's
-  would; a restore copies it into the other components too, which nothing
-  reads. Across workers
-  each replica keeps its own list (a component of a mirrored variable): the
-  workers' all-reduce gathers slices that must keep one length from run to
-  run, so the apply step pads the list's rows to the most a cycle looks up
-  (`distribute.of_fixed_length`), and nothing else pads.
+  Used wherever shapes may change between runs. The variable
+  `<table>/GradientAccumulator` is [1 + capacity, id columns + row width]:
+  row 0 holds the count n, rows 1 to n an int64 id (bitcast) and its row.
+  Under the original's name every Saver saves it, and a restored dense
+  accumulator becomes its non-zero rows at the next micro-step. A micro-step
+  writes with one scatter, or rebuilds the list with up to twice the room.
+  `read` hands on every row, repeated ids included. Replicas in one process
+  share a mirrored variable's first component (`rows`, then `append`, in
+  replica order); across workers each keeps its own, which `read` pads to a
+  fixed length for the all-reduce.
 
   Args:
     variable: the table (or one partition of it).
     dtype: the accumulator's dtype.
-    handle: this replica's component's resource handle, None for a ref
-      variable.
-    listed: the variable its micro-steps write and its apply step reads:
-      the list variable, of unknown static row count (`_list_of_rows`); or
-      this replica's component of a mirrored one (its own, across workers);
-      or its first component (a list the replicas share).
-    replica: None where the list is this replica's alone; else this
-      replica's index, among replicas that share the list.
-    cycle_rows: across workers, the most rows a cycle looks up where known
-      at graph build, else None (then padded to the table's rows); None in
-      one worker (no padding).
-    across_workers: whether the apply step pads its rows (see above).
+    handle: this replica's component's resource handle, None for a ref one.
+    listed: the list variable, or this replica's or the first component.
+    replica: this replica's index where replicas share the list, else None.
+    cycle_rows: across workers, the most rows a cycle looks up, or None.
+    across_workers: whether `read` pads to a fixed length.
   """
 
   def __init__(self, variable, dtype, handle, listed, replica=None,
@@ -345,10 +251,8 @@ class RowListAccumulator(object):
     return listed.sparse_read(indices)
 
   def _state(self, listed):
-    """(is a list, its length n, its capacity): no read of the whole list.
-
-    Not a list: a dense accumulator that a restore put there (n is then
-    meaningless)."""
+    """(is a list, its length n, its capacity), without reading the list;
+    not a list where a restore put a dense accumulator."""
     if self._ref:  # see _gather
       shape = tf.shape(listed.read_value(), out_type=tf.int64)
     else:
@@ -382,10 +286,10 @@ class RowListAccumulator(object):
     return self.append([self.rows(gradient, length)])
 
   def append(self, parts):
-    """Appends `parts` (from `rows`, in replica order) to the list.
+    """Appends `parts` to the list.
 
     Args:
-      parts: packed rows (`rows`), one per replica that shares the list.
+      parts: packed rows (`rows`), one per replica sharing the list, in order.
 
     Returns:
       The op.
@@ -440,7 +344,7 @@ class RowListAccumulator(object):
     return tf.IndexedSlices(rows, ids, dense_shape)
 
   def reset(self, after, unused_shared_zeros=None):
-    """Empties the list once `after` has run (keeping its room); the op."""
+    """Empties the list once `after` has run, keeping its room; the op."""
     with tf.control_dependencies([after]):
       if not self._first:
         return tf.no_op()
@@ -481,8 +385,7 @@ class Accumulators(object):
       finite: None, or a boolean scalar: False adds nothing.
 
     Returns:
-      (the op, {index: rows} of the lists the replicas share, which it left
-      out: they are appended where the replicas meet, `append_shared`).
+      (the op, {index: rows} of the shared lists, for `append_shared`).
     """
     def add_all():
       scales = {}  # 1/length in each dtype: one op for all of a dtype
@@ -512,8 +415,7 @@ class Accumulators(object):
     """Appends each replica's rows of the lists the replicas share.
 
     Args:
-      rows_of_replicas: each replica's `add` result's second item
-        ({index: rows}), in replica order.
+      rows_of_replicas: each replica's `add` result's {index: rows}, in order.
 
     Returns:
       A list of ops, one per shared list.
@@ -526,18 +428,13 @@ class Accumulators(object):
     """Reads the cycle's sums, for the apply step.
 
     Returns:
-      A `Read`: the sums in the order of the variables (tensors, or
-      `tf.IndexedSlices` for tables), and per sum whether this replica
-      holds all of it.
+      A `Read`, the sums in the order of the variables.
     """
     return Read([a.read() for a in self._accumulators],
                 [a.shared for a in self._accumulators])
 
   def reset(self, after):
-    """An op emptying each accumulator after `after`, one after another.
-
-    One at a time: a reset's transients (zeros inside XLA, a table's zero
-    rows) are then one variable's.
+    """An op emptying each accumulator in turn after `after`: fewer transients.
 
     Args:
       after: the op (the wrapped optimizer's apply) that must run first.
@@ -545,7 +442,7 @@ class Accumulators(object):
     Returns:
       An op.
     """
-    resets = [after]  # each after the one before
+    resets = [after]
     shared_zeros = {}  # small accumulators' zeros, one per shape
     for accumulator in self._accumulators:
       resets.append(accumulator.reset(resets[-1], shared_zeros))
@@ -557,7 +454,6 @@ class PassThrough(object):
 
   Args:
     sparse: hand IndexedSlices on as they are (else densified).
-    gradients: the micro-step's gradients, handed on by `read`.
   """
 
   def __init__(self, sparse):
@@ -565,7 +461,7 @@ class PassThrough(object):
     self._gradients = []
 
   def add(self, gradients, length, finite=None):
-    """Keeps the micro-step's `gradients` for `read`; adds nothing.
+    """Keeps `gradients` for `read`; adds nothing.
 
     Args:
       gradients: the micro-step's gradients.
@@ -573,7 +469,7 @@ class PassThrough(object):
       finite: unused: a skipped micro-step's cycle applies nothing.
 
     Returns:
-      (a no-op, {}): as `Accumulators.add`.
+      (a no-op, {}), as `Accumulators.add`.
     """
     del length, finite
     self._gradients = list(gradients)
@@ -584,11 +480,7 @@ class PassThrough(object):
     return []
 
   def read(self):
-    """The micro-step's gradients as a `Read` (densified unless `sparse`).
-
-    Returns:
-      A `Read`.
-    """
+    """The micro-step's gradients as a `Read`, densified unless `sparse`."""
     gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
                  and not self._sparse else g for g in self._gradients]
     return Read(gradients, [False] * len(gradients))
@@ -601,16 +493,8 @@ class PassThrough(object):
 # -------------------------------------------------------------- creation --
 
 def _slot_name(opt, variable, owner):
-  """(slot name, op name, whether it is still to make) of `owner`'s
-  accumulator of `variable`.
-
-  The first train op to accumulate `variable` through `opt` gets the
-  original's names; another train op of the same wrapped optimizer on the
-  same variable (a shared trunk under two losses) gets its own slot,
-  `grad_accum_1` saved as `<variable>/GradientAccumulator_1`, and so on:
-  adding both train ops' micro-batches into one slot would hand each apply
-  the other's micro-batches too. The replicas of one train op share it.
-  """
+  """(slot name, op name, whether to make it) of `owner`'s `variable` slot:
+  each train op gets its own, lest an apply get another's micro-batches."""
   owners = variable.graph.get_collection(_OWNERS)
   for n in itertools.count():
     suffix = '_%d' % n if n else ''
@@ -620,17 +504,12 @@ def _slot_name(opt, variable, owner):
 
 
 def _dense_slot(opt, variable, dtype, owner, local):
-  """Creates (or finds) `variable`'s dense accumulator, a slot of `opt`.
-
-  The slot belongs to the wrapped optimizer, as in the original, so that it
-  is saved as `<variable name>/GradientAccumulator` (a partition's as its
-  slice of `<table>/GradientAccumulator`), by the slot functions the
-  original used; the call that makes it records it as the wrapper's state.
-  On a parameter-server worker (`local`) the worker's own variable.
+  """Creates or finds `variable`'s dense accumulator: a slot of `opt`,
+  saved as `<variable>/GradientAccumulator` as in the original, or the
+  worker's own variable on a parameter-server worker (`local`).
 
   Raises:
-    ValueError: an `accumulator_dtype` other than the variable's for a
-      variable of unknown static shape.
+    ValueError: `dtype` is not the dtype of a variable of unknown shape.
   """
   if local is not None:  # the worker's own, not a slot (`distribute`)
     return local.variable(variable.op.name + '/' + SLOT_OP_NAME,
@@ -654,31 +533,10 @@ def _dense_slot(opt, variable, dtype, owner, local):
 
 
 def _list_of_rows(opt, variable, columns, dtype, owner, local, mirrored):
-  """`variable`'s list of rows for the train op `owner` (made once).
+  """`variable`'s list of rows for the train op `owner`, made once.
 
-  Not a slot of the wrapped optimizer: a slot of a partition inherits its
-  save-slice (a slice of the whole table's shape), which a list of rows
-  does not have. Each list is a variable of its own, saved as
-  `<variable name>/GradientAccumulator` (`table/part_0/GradientAccumulator`
-  for a partition; a second train op's `..._1`), whichever replica or
-  wrapper asks first making it, with the dtype asked for. The first to make
-  it records it as the wrapper's state, and restores into it what an
-  object-based checkpoint handed the wrapped optimizer (it shows as the
-  optimizer's slot `grad_accum`); `checkpoints.convert_checkpoint` gives a
-  partition's its slice of the original's one accumulator of the table.
-
-  Args:
-    opt: the wrapped optimizer.
-    variable: the table (or one partition of it).
-    columns: the list's columns (`list_columns`).
-    dtype: its dtype.
-    owner: the train op's record (`records.Record`).
-    local: None, or a `distribute.WorkerLocal`: the worker's own list.
-    mirrored: under a multi-replica strategy: the strategy's variable, a
-      component per replica (else beside the table).
-
-  Returns:
-    The variable, of no static row count.
+  Not a slot: a partition's slot would inherit a save-slice of the table.
+  The first caller restores into it what a checkpoint handed `opt`.
   """
   name = variable.op.name + '/' + SLOT_OP_NAME
   if local is not None:  # the worker's own, not saved (`distribute`)
@@ -708,8 +566,7 @@ def slot_name_of(accumulator):
   """The slot name (`grad_accum`, `grad_accum_1`, ...) of an accumulator.
 
   Args:
-    accumulator: an accumulator variable (`<variable>/GradientAccumulator`,
-      `..._1`, ...).
+    accumulator: an accumulator variable (`<variable>/GradientAccumulator`).
 
   Returns:
     A string.
@@ -718,8 +575,8 @@ def slot_name_of(accumulator):
 
 
 def _cycle_rows(gradient, owner):
-  """The most rows a cycle of `owner` looks up with `gradient`: micro-steps
-  times ids, where both are known at graph build; else None."""
+  """The most rows a cycle of `owner` looks up with `gradient`, where known
+  at graph build; else None."""
   ids = gradient.indices.shape.num_elements()
   steps = owner.cycle.grad_steps
   return ids * steps if ids and steps else None
@@ -729,33 +586,27 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
            in_xla=False, local=None, multi_worker=False, replica=None):
   """A replica's `Accumulators` for the (gradient, variable) pairs.
 
-  Call it under `tf.init_scope()`. Under a multi-replica strategy each
-  replica calls it: each replica adds into its own component of each dense
-  accumulator (saved as their sum: `distribute.summed_on_save`); in one
-  process the replicas share a table's list of rows, across workers each
-  keeps its own.
+  Call it under `tf.init_scope()`, on each replica. Dense accumulators are
+  per replica; replicas in one process share a table's list.
 
   Args:
     opt: the wrapped optimizer, which owns the slots.
     grads_and_vars: the (gradient, variable) pairs.
     owner: the train op's record (`records.Record`).
-    sparse: accumulate an IndexedSlices gradient row by row (else densely).
+    sparse: accumulate IndexedSlices row by row (else densely).
     dtype: `accumulator_dtype`, or None.
     num_partitions: `xla_num_partitions`, or None.
-    in_xla: built inside an XLA computation (a table: densely).
-    local: None, or a `distribute.WorkerLocal` (variables on parameter
-      servers): the accumulators are then the worker's own, not slots.
-    multi_worker: under a multi-worker strategy.
-    replica: this replica's index where a strategy has several, else None.
+    in_xla: whether built inside XLA (tables then dense).
+    local: None, or a `distribute.WorkerLocal`: the worker's own variables.
+    multi_worker: whether under a multi-worker strategy.
+    replica: this replica's index under a multi-replica strategy, else None.
 
   Returns:
     An `Accumulators`.
 
   Raises:
-    ValueError: an `accumulator_dtype` narrower than a variable's, or
-      another dtype for a variable of unknown shape; a sparse gradient of a
-      variable whose rows cannot be listed (a static shape unknown, or a
-      dtype wider than 8 bytes) outside XLA with `sparse_as_dense=False`.
+    ValueError: a dtype other than that of a variable of unknown shape, or a
+      sparse gradient whose rows cannot be listed, outside XLA.
   """
   mirrored = replica is not None and local is None  # a table's list
   # Lists are not sums over replicas (a mirrored one's components are

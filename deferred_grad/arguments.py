@@ -1,5 +1,4 @@
-"""Checks of the wrapper's arguments: each error names the argument and
-value."""
+"""Checks of the wrapper's arguments; each error names the argument."""
 
 import numbers
 
@@ -12,20 +11,7 @@ tf = compat.import_tensorflow()
 
 
 def _require(ok, expected, value, error=TypeError):
-  """Returns `value` if `ok`, else raises `error` naming it and its type.
-
-  Args:
-    ok: whether `value` passes.
-    expected: what was expected, led by the argument's name.
-    value: the argument's value.
-    error: the exception class to raise.
-
-  Returns:
-    `value`.
-
-  Raises:
-    `error`: not `ok`.
-  """
+  """`value` if `ok`, else raises `error` naming `expected` and `value`."""
   if not ok:
     raise error('%s, got %r of type %s.' % (expected, value,
                                              type(value).__name__))
@@ -41,15 +27,11 @@ def check_positive_int(value, arg_name, expected=None):
   """Returns `value` as an int, or raises naming `arg_name`.
 
   Args:
-    value: the argument's value.
-    arg_name: its name, for the message.
-    expected: what the message says was expected (default: a positive int).
-
-  Returns:
-    `value` as an int.
+    value, arg_name: the argument's value and name.
+    expected: the message's text (default: a positive int).
 
   Raises:
-    TypeError: not an int (a bool, a float and a string are refused).
+    TypeError: not an int (a bool is refused).
     ValueError: not positive.
   """
   expected = expected or '%s must be a positive int' % arg_name
@@ -67,22 +49,14 @@ _GRAD_STEPS_EXPECTED = (
 
 
 def check_grad_steps(grad_steps):
-  """Returns `grad_steps` as an int, or as a schedule (a tensor or callable).
-
-  An int (also a numpy integer) keeps the original's fixed cycle; a tensor
-  or a callable is a schedule, read once per cycle (see `records.Schedule`).
+  """Returns `grad_steps`: an int, or a schedule read once per cycle.
 
   Args:
-    grad_steps: the constructor's argument.
-
-  Returns:
-    An int, an int64 scalar tensor or the callable.
+    grad_steps: an int, an integer scalar tensor, or a callable.
 
   Raises:
-    TypeError: neither an int, an integer tensor nor a callable (a bool, a
-      float and a string are refused).
-    ValueError: a non-positive int, a tensor that is not a scalar, or a
-      constant tensor below 1.
+    TypeError: none of these (a bool, float or string is refused).
+    ValueError: below 1, or a tensor that is not a scalar.
   """
   if tf.is_tensor(grad_steps):
     return check_schedule_value(grad_steps, 'a tensor')
@@ -92,14 +66,11 @@ def check_grad_steps(grad_steps):
 
 
 def check_schedule_value(value, source):
-  """Returns a cycle length of a `grad_steps` schedule as an int64 scalar.
+  """Returns a schedule's cycle length as an integer scalar tensor.
 
   Args:
-    value: what the schedule gave (a tensor, or a number from a callable).
-    source: how the value was made, for messages ('a tensor', 'the callable').
-
-  Returns:
-    The value as an integer tensor.
+    value: a tensor, or the number a callable returned.
+    source: where it came from, for the message.
 
   Raises:
     TypeError: not of an integer dtype.
@@ -120,19 +91,10 @@ def check_schedule_value(value, source):
 
 
 def check_bool(value, arg_name):
-  """Returns `value`, or raises a TypeError naming `arg_name`.
-
-  A string such as 'False' is truthy: it is refused rather than guessed at.
-
-  Args:
-    value: the argument's value.
-    arg_name: its name, for the message.
-
-  Returns:
-    `value`.
+  """Returns `value` if it is a bool, else raises naming `arg_name`.
 
   Raises:
-    TypeError: `value` is not a bool.
+    TypeError: not a bool (a truthy string such as 'False' is refused).
   """
   return _require(isinstance(value, bool), arg_name + ' must be a bool', value)
 
@@ -153,19 +115,10 @@ _AGGREGATED = ('AccumulatorTakeGradient', 'ResourceAccumulatorTakeGradient',
 
 
 def check_optimizer(opt):
-  """Raises a TypeError unless `opt` is a `tf.compat.v1.train.Optimizer`.
-
-  `SyncReplicasOptimizer` is refused too (see `_SYNC_REPLICAS`).
-
-  Args:
-    opt: the constructor's `opt`.
-
-  Returns:
-    `opt`.
+  """Returns `opt` if it is a `tf.compat.v1.train.Optimizer`, else raises.
 
   Raises:
-    TypeError: `opt` is not a `tf.compat.v1.train.Optimizer`, or is a
-      `SyncReplicasOptimizer`.
+    TypeError: not such an optimizer, or a `SyncReplicasOptimizer`.
   """
   if isinstance(opt, tf.compat.v1.train.SyncReplicasOptimizer):
     raise TypeError('opt is a SyncReplicasOptimizer. ' + _SYNC_REPLICAS)
@@ -175,13 +128,7 @@ def check_optimizer(opt):
 
 
 def check_accumulator_dtype(dtype):
-  """Returns None or a float `tf.DType`, or raises naming the argument.
-
-  Args:
-    dtype: `accumulator_dtype`: None, or anything `tf.as_dtype` takes.
-
-  Returns:
-    None, or a float `tf.DType`.
+  """Returns `dtype` (`accumulator_dtype`) as None or a float `tf.DType`.
 
   Raises:
     TypeError: not a dtype.
@@ -198,14 +145,10 @@ def check_accumulator_dtype(dtype):
 
 
 def check_accumulator_width(dtype, variable):
-  """Refuses an `accumulator_dtype` narrower than `variable`'s dtype.
-
-  Args:
-    dtype: the `accumulator_dtype` (a float `tf.DType`), or None.
-    variable: a variable that gets an accumulator.
+  """Refuses a `dtype` (`accumulator_dtype`) narrower than `variable`'s.
 
   Raises:
-    ValueError: `dtype` is neither the variable's dtype nor wider.
+    ValueError: `dtype` is neither None, the variable's dtype nor wider.
   """
   own = variable.dtype.base_dtype
   if dtype is not None and dtype != own and dtype.size <= own.size:
@@ -217,15 +160,7 @@ def check_accumulator_width(dtype, variable):
 
 
 def check_clip_norm(clip_norm):
-  """Returns None or a positive number, or raises naming the argument.
-
-  Args:
-    clip_norm: the constructor's `clip_norm`.
-
-  Returns:
-    `clip_norm`, or None for an infinite one (no norm exceeds it: no
-    clipping, where tf.clip_by_global_norm would scale by inf * 0, NaN, and
-    train every weight to NaN).
+  """Returns `clip_norm`, or None (no clipping) for None or inf.
 
   Raises:
     TypeError: neither None nor a real number (a bool is refused).
@@ -237,14 +172,12 @@ def check_clip_norm(clip_norm):
   _require(isinstance(clip_norm, numbers.Real) and
            not isinstance(clip_norm, bool), expected, clip_norm)
   _require(clip_norm > 0, expected, clip_norm, ValueError)
+  # No norm exceeds inf; tf.clip_by_global_norm would scale by inf * 0: NaN.
   return None if np.isinf(clip_norm) else clip_norm
 
 
 def check_graph_mode(method):
-  """Raises a RuntimeError in eager mode or inside a `tf.function`.
-
-  Args:
-    method: the name of the method called, for the message.
+  """Raises unless in TensorFlow 1 style graph mode, naming `method`.
 
   Raises:
     RuntimeError: eager execution, or inside a `tf.function`.
@@ -266,18 +199,10 @@ def check_graph_mode(method):
 
 
 def check_choice(value, choices, arg_name):
-  """Returns `value` if it is one of `choices`, or raises naming `arg_name`.
-
-  Args:
-    value: the argument's value.
-    choices: the values allowed.
-    arg_name: its name, for the message.
-
-  Returns:
-    `value`.
+  """Returns `value` if it is one of `choices`, else raises naming `arg_name`.
 
   Raises:
-    ValueError: `value` is not one of `choices`.
+    ValueError: not one of `choices`.
   """
   allowed = any(value is choice or (value is not None and value == choice)
                 for choice in choices)
@@ -286,13 +211,7 @@ def check_choice(value, choices, arg_name):
 
 
 def check_micro_batch_weight(micro_batch_weight):
-  """Returns `micro_batch_weight`, or raises a TypeError naming it.
-
-  Args:
-    micro_batch_weight: the constructor's argument.
-
-  Returns:
-    `micro_batch_weight`.
+  """Returns `micro_batch_weight`, or raises naming it.
 
   Raises:
     TypeError: neither None, a tensor nor a callable.
@@ -310,25 +229,17 @@ _WEIGHT_EXPECTED = ('micro_batch_weight must be a finite number >= 0 (e.g. '
 
 
 def weight_tensor(micro_batch_weight):
-  """This micro-step's weight as a float64 scalar, or None without weights.
+  """Returns this micro-step's weight as a float64 scalar, or None.
 
-  float64 holds every float weight and every integer count below 2**53
-  exactly: the gradients and the cycle's counts take it in their dtypes.
-
-  A callable is called here: in `apply_gradients`, on each replica. A value
-  known at graph build is checked here; others at run time, by
-  `check_weight_value`.
+  A callable is called here, on each replica. Weights unknown at graph build
+  are checked at run time, by `check_weight_value`.
 
   Args:
     micro_batch_weight: None, a tensor, or a callable returning one.
 
-  Returns:
-    A float64 scalar tensor, or None.
-
   Raises:
-    TypeError: the weight is not of a real number dtype (int or float).
-    ValueError: the weight is not a scalar, or a constant that is negative,
-      NaN or inf.
+    TypeError: not of an int or float dtype.
+    ValueError: not a scalar, or a constant that is negative, NaN or inf.
   """
   if micro_batch_weight is None:
     return None
@@ -343,27 +254,21 @@ def weight_tensor(micro_batch_weight):
   value = tf.get_static_value(weight)
   if value is not None and not (np.isfinite(value) and value >= 0):
     raise ValueError('%s; got %s.' % (_WEIGHT_EXPECTED, value.item()))
+  # float64 holds float weights and integer counts below 2**53 exactly.
   return tf.cast(weight, tf.float64)
 
 
 def check_weight_value(weight, nonfinite_policy):
-  """[An op failing the micro-step whose weight is negative], or [].
+  """Returns [an op failing the micro-step of an invalid weight], or [].
 
-  Not finite too, without a `nonfinite_policy` (which skips such a
-  micro-batch as non-finite).
-
-  A negative token count, a NaN or an inf weight would otherwise make the
-  cycle apply nothing or NaN without a word. Outside XLA only: an XLA
-  computation (a TPU) compiles an Assert into nothing.
+  Invalid: negative, or NaN or inf without a `nonfinite_policy` (which skips
+  those); the cycle would silently apply nothing or NaN.
 
   Args:
     weight: the micro-step's weight, a float64 scalar, or None.
     nonfinite_policy: the wrapper's keyword.
-
-  Returns:
-    A list of at most one op (none without a weight, or inside XLA).
   """
-  if weight is None or compat.in_xla_context():
+  if weight is None or compat.in_xla_context():  # XLA drops Asserts
     return []
   finite = tf.math.is_finite(weight)
   valid = tf.logical_and(weight >= 0, finite)
@@ -378,30 +283,23 @@ def check_weight_value(weight, nonfinite_policy):
 def check_apply_gradients(grads_and_vars, global_step, name,
                           replica_context, use_tpu, apply_crs_to_grad,
                           accumulator_dtype=None):
-  """Checks `apply_gradients`' arguments; returns the pairs with a gradient,
-  each variable once (`sum_duplicates`).
+  """Checks `apply_gradients`' arguments.
 
   Args:
     grads_and_vars, global_step, name: `apply_gradients`' arguments.
-    replica_context: where it was called (None: a cross-replica context).
-    use_tpu, apply_crs_to_grad: the wrapper's keywords.
-    accumulator_dtype: the wrapper's, where the train op accumulates.
+    replica_context: the call's replica context (None: cross-replica).
+    use_tpu, apply_crs_to_grad, accumulator_dtype: the wrapper's keywords.
 
   Returns:
-    A list of (gradient, variable) pairs.
+    The (gradient, variable) pairs with a gradient, each variable once.
 
   Raises:
-    RuntimeError: in eager mode or inside a `tf.function`; on the GPU path
-      in a cross-replica context; under a multi-worker
-      ParameterServerStrategy (see `check_replicas`).
-    NotImplementedError: a pair with a gradient holds no `tf.Variable`.
-    TypeError: `global_step` is not a `Variable`, or `name` not a string; a
-      gradient is not convertible to a Tensor or IndexedSlices, or its dtype
-      is not its variable's.
-    ValueError: no pairs, or every gradient is None; or the gradients come
-      from a `SyncReplicasOptimizer` (its ops `_AGGREGATED`); or
-      `apply_crs_to_grad=True` outside a TPU computation; or
-      `accumulator_dtype` is narrower than a variable's dtype.
+    RuntimeError: eager mode or a `tf.function`; see `check_replicas`.
+    NotImplementedError: a gradient's variable is not a `tf.Variable`.
+    TypeError: a bad `global_step`, `name`, gradient or gradient dtype.
+    ValueError: see `check_replicas`; no gradients, or ones from a
+      `SyncReplicasOptimizer`; `apply_crs_to_grad` off TPU; a narrow
+      `accumulator_dtype`.
   """
   check_graph_mode('apply_gradients')
   grads_and_vars = tuple(grads_and_vars)
@@ -434,25 +332,8 @@ def check_apply_gradients(grads_and_vars, global_step, name,
 
 
 def _checked_pair(index, gradient, variable):
-  """(`gradient` as a Tensor or IndexedSlices, `variable`), or raises.
-
-  The bare optimizer takes anything convertible (a list, a numpy array, a
-  variable) and refuses a gradient of another dtype than its variable's;
-  the wrapper would otherwise cast it into the accumulator and train.
-
-  Args:
-    index: the pair's place in `grads_and_vars`, for the message.
-    gradient: its gradient, not None.
-    variable: its variable.
-
-  Returns:
-    A (gradient, variable) pair.
-
-  Raises:
-    NotImplementedError: `variable` is not a `tf.Variable` (a Tensor, as
-      `compute_gradients` may list, cannot be updated).
-    TypeError: `gradient` is not convertible to a Tensor or IndexedSlices,
-      or its dtype is not the variable's.
+  """(`gradient` as a Tensor or IndexedSlices, `variable`), or raises where
+  the bare optimizer would: the accumulator's cast would hide a wrong dtype.
   """
   if not isinstance(variable, tf.Variable):
     raise NotImplementedError(
@@ -473,19 +354,10 @@ def _checked_pair(index, gradient, variable):
 
 
 def sum_duplicates(pairs):
-  """The (gradient, variable) pairs with each variable once.
+  """Returns `pairs` with each variable once, in first-seen order.
 
-  A variable listed twice (the `compute_gradients` lists of two losses put
-  end to end) gets the sum of its gradients: the gradient of the sum of
-  the losses, which the cycle then accumulates once. Accumulated twice in
-  one slot, each pair's apply would hand on both.
-
-  Args:
-    pairs: (gradient, variable) pairs, gradients not None.
-
-  Returns:
-    A list of (gradient, variable) pairs, each variable once, in the order
-    of its first pair.
+  A variable listed twice (the `compute_gradients` lists of two losses
+  joined) gets its gradients' sum, accumulated once.
   """
   summed = {}  # by `variable.ref()`, in the order of first insertion
   for gradient, variable in pairs:
@@ -508,15 +380,14 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
   """Refuses the contexts the code paths cannot serve.
 
   Args:
-    replica_context: `tf.distribute.get_replica_context()` where `method`
-      was called (None in a cross-replica context).
+    replica_context: the call's replica context (None: cross-replica).
     use_tpu: the wrapper's keyword.
     method: the name of the method called, for the message.
 
   Raises:
-    RuntimeError: the GPU path in a cross-replica context; or the
+    RuntimeError: the GPU path in a cross-replica context, or the
       multi-worker `ParameterServerStrategy` of `tf.compat.v1.distribute`.
-    ValueError: the TPU path under a strategy of several replicas.
+    ValueError: the TPU path under several replicas.
   """
   strategy = tf.distribute.get_strategy()
   if 'ParameterServerStrategy' in type(strategy).__name__ and any(
@@ -549,13 +420,7 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
 
 
 def check_name(name):
-  """Returns `name`, the optimizer's, or raises a TypeError naming it.
-
-  Args:
-    name: the constructor's `name`.
-
-  Returns:
-    `name`.
+  """Returns `name`, the optimizer's, or raises naming it.
 
   Raises:
     TypeError: not a non-empty string.

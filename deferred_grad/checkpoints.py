@@ -1,45 +1,20 @@
-"""Checkpoints: the wrapper's state in them, and the one step of a switch.
+"""Checkpoints: the wrapper's state in them, and their conversion.
 
-The wrapper installs no saver. Every front end saves with the saver it
-would make without the wrapper (an `Estimator`'s from its `RunConfig`, a
-`Scaffold`'s, a `Supervisor`'s, the user's own), so the checkpoints kept
-are the user's to configure. The wrapper's state (accumulators, counters,
-each train op's settings) is made of ordinary global variables under
-stable names, so any saver saves it and a job resumes mid-cycle with
-nothing to do.
+The wrapper installs no saver: each front end saves with the saver it would
+make without it. The wrapper's state (accumulators, counters, each train
+op's settings) is ordinary global variables under stable names, so any
+saver saves it and a job resumes mid-cycle.
 
-A checkpoint written under other settings may lack some of these names, or
-hold them under others:
+A checkpoint written under other settings may lack them or name them otherwise:
 
 * accumulation turned on: no accumulators, counters or settings;
-* accumulation turned off, or the other graph behaviour: the wrapped
-  optimizer's non-slot variables (Adam's `beta1_power`) are named after the
-  scope they were made in: the caller's name scope without the wrapper
-  (`dnn/head/beta1_power`), the root inside the wrapper's control flow v2
-  branch (`beta1_power`), the branch's scope under control flow v1
-  (`dnn/head/cond/beta1_power`), as the original named them;
-* the original's: no settings, and a partitioned table's one dense
-  accumulator in slices (`<table>/GradientAccumulator`) where this version
-  keeps a list of rows per partition (`<table>/part_<n>/GradientAccumulator`);
-* `sparse_as_dense` switched: a table's list of rows where a dense
-  accumulator is now kept.
+* accumulation off, or the other graph behaviour: the wrapped optimizer's
+  non-slot variables under another scope (see `scopes`);
+* the original's: no settings, and a partitioned table's dense accumulator
+  in slices, not a list of rows per part;
+* `sparse_as_dense` switched: a list of rows, not a dense accumulator.
 
-`convert_checkpoint`, run once in the graph that will restore, writes such
-a checkpoint under this graph's names with TensorFlow's public reader and
-`SaveV2`: each variable from its own name or else from another name it had
-(`create_wrapped_slots` records them), and, where any of the wrapper's
-state is missing, all of it afresh. `ConvertCheckpointHook` does the same
-from an `Estimator`'s `train`, and `Saver` on every restore.
-
-A train op's settings (`<its name scope>/deferred_grad_settings`: its int
-`grad_steps` or 0 for a schedule, whether it is weighted, its
-`nonfinite_policy` and its place in the cycle) are a variable that each
-micro-step checks and writes (`records`): a checkpoint written mid-cycle
-under other settings fails the first micro-step after its restore, naming
-them, whichever saver restored it.
-
-The records live in graph collections under tuple keys, as TensorFlow's
-variable store does: they are not serialized into meta graphs.
+`convert_checkpoint`, `ConvertCheckpointHook` and `Saver` convert them.
 """
 
 import os
@@ -54,7 +29,8 @@ from deferred_grad import compat
 
 tf = compat.import_tensorflow()
 
-# Graph collections of the records (tuple keys: never serialized).
+# Graph collections of the records. Tuple keys, as TensorFlow's variable
+# store uses: they are never serialized into meta graphs.
 _STATE = ('deferred_grad', 'state')  # (variable, its value afresh or None)
 _ALIASES = ('deferred_grad', 'aliases')  # (variable, its other names)
 _SETTINGS = ('deferred_grad', 'settings')  # (variable, settings, place)
@@ -70,13 +46,10 @@ _OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
 def add_to_state(variables, initial=None):
   """Records `variables` as part of the wrapper's state in their graph.
 
-  The state (accumulators and counters) is what a checkpoint written
-  without the wrapper lacks; `convert_checkpoint` writes it afresh then.
-
   Args:
-    variables: a list of variables of one graph.
-    initial: their value afresh, a numpy array, or None: zeros of the
-      variable's shape (of its table's, where that is not static).
+    variables: variables of one graph.
+    initial: their fresh value, a numpy array; None: zeros of the variable's
+      shape (its table's, where that is not static).
   """
   for variable in variables:
     state = variable.graph.get_collection_ref(_STATE)
@@ -85,14 +58,14 @@ def add_to_state(variables, initial=None):
 
 
 def add_settings(variable, settings, place, global_step):
-  """Records a train op's settings variable (see the module docstring).
+  """Records a train op's settings variable, which each micro-step checks.
 
   Args:
     variable: the int64 vector [grad_steps or 0, flags, policy, place].
     settings: its first three values in this graph.
-    place: (the name of the counter the cycle's place is read from, the
-      int it counts modulo, or None), for a checkpoint without settings.
-    global_step: the name of the `global_step` the train op counts, or None.
+    place: (the name of the counter the cycle's place is read from, its
+      modulus or None), for a checkpoint without settings.
+    global_step: the name of the train op's `global_step`, or None.
   """
   variable.graph.add_to_collection(
       _SETTINGS, (variable, settings, place, global_step))
@@ -101,10 +74,8 @@ def add_settings(variable, settings, place, global_step):
 def create_wrapped_slots(opt, var_list, scopes, wrapper):
   """Creates the wrapped optimizer's slots and non-slot variables.
 
-  Records each new non-slot variable's other names, under which a
-  checkpoint written without the wrapper or in the other graph behaviour
-  holds it, and restores into it what an object-based checkpoint restore
-  of `wrapper` (which shows them as its own) left for it.
+  Records each new non-slot variable's names under other settings, and
+  restores into it what an object-based restore of `wrapper` left for it.
 
   Args:
     opt: the wrapped optimizer.
@@ -132,23 +103,17 @@ def create_wrapped_slots(opt, var_list, scopes, wrapper):
 
 
 def scopes(in_cond):
-  """Where the wrapped optimizer's non-slot variables go, as the original
-  put them.
+  """Where the wrapped optimizer's non-slot variables go, as in the original.
 
-  The original called the wrapped `apply_gradients` inside a `tf.cond`, and
-  optimizers name their non-slot variables (Adam's `beta1_power`, ...) after
-  the current name scope. A control flow v2 branch starts at the root scope;
-  a v1 branch is under `<current scope>/cond`, uniquified. Without a
-  `tf.cond` (grad_steps=1), the bare optimizer's scope, the caller's. Call
-  it before opening the wrapper's name scope.
+  Optimizers name them (Adam's `beta1_power`) after the name scope, and the
+  original applied inside a `tf.cond`: a v2 branch starts at the root scope,
+  a v1 branch is under `<scope>/cond`. Call it outside the wrapper's scope.
 
   Args:
-    in_cond: whether the wrapped optimizer applies inside the cycle's
-      `tf.cond`.
+    in_cond: whether the wrapped optimizer applies inside the cycle's cond.
 
   Returns:
-    (the absolute name scope of the wrapped optimizer's non-slot variables,
-    the caller's absolute scope), each '' or ending in '/'.
+    (the non-slot variables' scope, the caller's): absolute, '' or ending '/'.
   """
   graph = tf.compat.v1.get_default_graph()
   caller = graph.get_name_scope()
@@ -165,25 +130,15 @@ def scopes(in_cond):
 def convert_checkpoint(checkpoint, var_list=None):
   """Makes a checkpoint written under other settings restore in this graph.
 
-  Switching accumulation on or off, `grad_steps`, `sparse_as_dense` or the
-  graph behaviour over a checkpoint (or resuming one of the original's)
-  changes the names the graph saves and restores (README "Checkpoints").
-  Run this once, after the train ops are built and before the session
-  restores: it reads the checkpoint with TensorFlow's public reader and, if
-  this graph's savers would not restore it as it is, writes a copy under
-  this graph's names beside it, `<name>.converted-<step>`:
-
-  * each variable from its own name, or else from a name it had under
-    other settings (the wrapped optimizer's non-slot variables, a
-    partition's slice of the original's dense table accumulator), a list of
-    rows made dense where a dense accumulator is kept now;
-  * where any of the wrapper's accumulators and counters is missing
-    (accumulation turned on), all of them afresh: a new cycle.
-
-  The checkpoint itself is left as it is. Given a directory, the copy
-  becomes its latest checkpoint (recorded in its `checkpoint` file beside
-  the others), which `MonitoredTrainingSession`, `Estimator` and
-  `Supervisor` restore.
+  Run it once, after the train ops are built and before the session
+  restores, when accumulation, `grad_steps`, `sparse_as_dense` or the graph
+  behaviour changed, or to resume the original's checkpoints. Where needed,
+  it writes a copy under this graph's names (the wrapper's state afresh
+  where any is missing) beside the checkpoint, `<name>.converted-<step>`,
+  leaving the checkpoint alone; a directory's copy becomes its latest,
+  which `MonitoredTrainingSession`, `Estimator` and `Supervisor` restore.
+  A mid-cycle checkpoint under another `grad_steps`, weighting or
+  `nonfinite_policy` is copied as it is: its first micro-step then fails.
 
   ```python
   train_op = opt.minimize(loss, global_step=global_step)
@@ -192,24 +147,18 @@ def convert_checkpoint(checkpoint, var_list=None):
       checkpoint_dir=checkpoint_dir) as session: ...
   ```
 
-  A checkpoint written mid-cycle under another `grad_steps`, weighting or
-  `nonfinite_policy` is copied as it is: the first micro-step after its
-  restore fails, naming the setting (its partial sums would be applied
-  wrongly).
-
   Args:
     checkpoint: a checkpoint's path prefix, or a directory (its latest).
-    var_list: what the saver that will restore it saves, as given to
-      `tf.compat.v1.train.Saver` (a list of variables or a dict of names);
-      None: the graph's global variables, as a saver given none.
+    var_list: what the restoring saver saves, as given to
+      `tf.compat.v1.train.Saver`; None: the graph's global variables.
 
   Returns:
-    The path of a checkpoint this graph restores: `checkpoint`'s own where
-    nothing needed converting, else the copy's.
+    The path to restore: the copy's, or `checkpoint`'s own if none was needed.
 
   Raises:
-    ValueError: `checkpoint` names no checkpoint; or it lacks a variable
-      that is not the wrapper's state under every name it could have.
+    ValueError: `checkpoint` names no checkpoint; lacks a variable other
+      than the wrapper's state under every name it could have; or counts
+      `global_step` the other way and does not end a cycle.
   """
   directory = tf.io.gfile.isdir(checkpoint)
   path = tf.train.latest_checkpoint(checkpoint) if directory else checkpoint
@@ -241,9 +190,8 @@ def convert_checkpoint(checkpoint, var_list=None):
 class ConvertCheckpointHook(tf.compat.v1.train.SessionRunHook):
   """Runs `convert_checkpoint` on a directory before a session restores it.
 
-  For front ends that build the graph themselves, an `Estimator` (canned
-  ones too) and `TPUEstimator`; harmless where nothing needs converting, so
-  it may stay.
+  For front ends that build the graph themselves (`Estimator`, canned ones
+  too, `TPUEstimator`); harmless where nothing needs converting.
 
   ```python
   estimator.train(input_fn, max_steps=...,
@@ -251,8 +199,7 @@ class ConvertCheckpointHook(tf.compat.v1.train.SessionRunHook):
   ```
 
   Args:
-    checkpoint_dir: the directory the session restores from (an
-      Estimator's `model_dir`).
+    checkpoint_dir: the directory restored from (an Estimator's `model_dir`).
   """
 
   def __init__(self, checkpoint_dir):
@@ -272,10 +219,9 @@ class Saver(tf.compat.v1.train.Saver):
   saver.restore(session, path)   # written with or without accumulation
   ```
 
-  It saves as `tf.compat.v1.train.Saver` does, with the same arguments. On
-  `restore`, a checkpoint written under other settings is converted first
-  (`convert_checkpoint`, into a temporary directory, removed after); an
-  object-based one (Keras's) restores as with a plain Saver.
+  It takes the plain Saver's arguments; `restore` converts a checkpoint
+  written under other settings into a temporary copy first; an object-based
+  one (Keras's) restores as with a plain Saver.
   """
 
   def __init__(self, var_list=None, *args, **kwargs):
@@ -283,18 +229,17 @@ class Saver(tf.compat.v1.train.Saver):
     self.restores = var_list
 
   def restore(self, sess, save_path):
-    """Restores `save_path`, converted for this graph where it needs it.
+    """Restores `save_path`, converted for this graph where needed.
 
     Args:
       sess: the session.
       save_path: the checkpoint's path prefix.
 
     Returns:
-      None (as `tf.compat.v1.train.Saver.restore`).
+      None, as `tf.compat.v1.train.Saver.restore`.
 
     Raises:
-      ValueError: as `tf.compat.v1.train.Saver.restore` and
-        `convert_checkpoint`.
+      ValueError: as the plain Saver's `restore`, and `convert_checkpoint`.
     """
     # Not a checkpoint (the plain Saver's ValueError), or an object-based
     # one (the plain Saver maps its keys itself).
@@ -330,8 +275,7 @@ def _targets(var_list):
 
 
 def _slice(variable):
-  """A part of a partitioned variable's (its whole's shape, its offset),
-  else None."""
+  """(Whole shape, offset) of a partitioned variable's part, else None."""
   try:
     proto = variable.to_proto()
   except (AttributeError, NotImplementedError, TypeError):
@@ -343,9 +287,8 @@ def _slice(variable):
 
 
 def _key(variable):
-  """The key a saver saves `variable` under: a part's, its whole's (a slice
-  of it); else its name (not its op's: a strategy's variable's op may be a
-  read)."""
+  """The key a saver saves `variable` under: a part's whole's, else its name
+  (not its op's, which under a strategy may be a read)."""
   try:
     proto = variable.to_proto()
   except (AttributeError, NotImplementedError, TypeError):
@@ -357,8 +300,7 @@ def _key(variable):
 
 def converted_values(path, var_list=None):
   """{key: value} of the checkpoint at `path` under this graph's names, or
-  None where this graph's savers restore it as it is (see
-  `convert_checkpoint`)."""
+  None where this graph's savers restore it as it is."""
   reader = tf.train.load_checkpoint(path)
   shapes = reader.get_variable_to_shape_map()
   graph = tf.compat.v1.get_default_graph()
@@ -421,13 +363,8 @@ def converted_values(path, var_list=None):
 
 
 def _recounted(path, reader, step, saved, values, modulo):
-  """`global_step` counted the other way (`global_step_counts`), at the
-  cycle boundary where the checkpoint was written.
-
-  Raises:
-    ValueError: the checkpoint was written mid-cycle, or under a schedule
-      whose micro-steps per update are not known.
-  """
+  """`global_step` counted the other way (`global_step_counts`); ValueError
+  unless the checkpoint ends a cycle of an int `grad_steps`."""
   value = int(reader.get_tensor(step))
   grad_steps = int(saved[0]) if saved is not None else modulo
   place = int(saved[3]) if saved is not None else value % (modulo or 1)
@@ -447,10 +384,8 @@ def _recounted(path, reader, step, saved, values, modulo):
 
 
 def _value(key, variable, state, reader, shapes, aliases, parts):
-  """The value of `variable` (saved as `key`) for the converted checkpoint:
-  True where the checkpoint holds it as it is, None where it lacks it.
-  `state`: its `add_to_state` record, or None for a variable of the model;
-  `parts`: {a part's name: (its whole's key, its first row, its rows)}."""
+  """`variable`'s value (saved as `key`) for the copy: True where the
+  checkpoint holds it as it is, None where it lacks it."""
   initial = state[1] if state else None
   if key in shapes:
     static = variable.shape
@@ -495,9 +430,8 @@ def _afresh(key, variable, initial, shapes):
 
 
 def _dense_of_list(listed, shape, dtype):
-  """A dense accumulator of `shape` holding a list of rows' sums: row 0 the
-  number n of rows listed, rows 1 to n an int64 id in the first columns
-  (its bytes), then the row (`accumulators.RowListAccumulator`)."""
+  """A dense accumulator of `shape` from a `RowListAccumulator`'s list: row 0
+  holds the count n; rows 1 to n an int64 id (first columns), then the row."""
   id_columns = 8 // np.dtype(dtype).itemsize
   listed = np.ascontiguousarray(listed, dtype)
   count = int(listed[0, :id_columns].copy().view(np.int64)[0])

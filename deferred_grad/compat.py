@@ -1,11 +1,8 @@
-"""TensorFlow versions, small helpers over public APIs, and the one list of
-the private TensorFlow names the package uses (`PRIVATE_NAMES`).
+"""TensorFlow versions, helpers over public APIs, and `PRIVATE_NAMES`.
 
-The package builds on TensorFlow's public API. Where no public API does
-the job, it uses a private name, each listed in `PRIVATE_NAMES` with its
-reason, the original module's own uses marked as such;
-tests/test_private_names.py finds every one in the source's syntax tree
-and fails on one not listed (or listed and no longer used).
+Where no public API does the job, the package uses a private TensorFlow
+name, listed in `PRIVATE_NAMES` with its reason; tests/test_private_names.py
+fails on one used and not listed, or listed and no longer used.
 """
 
 import re
@@ -28,7 +25,7 @@ def import_tensorflow():
 
   Raises:
     ImportError: TensorFlow is missing, older than 2.15, or its version
-      does not begin with major.minor (as '2.21.0-rc1' does).
+      does not begin with major.minor.
   """
   try:
     import tensorflow  # pylint: disable=g-import-not-at-top
@@ -140,12 +137,8 @@ def keras_major_version():
 
 
 def import_xla_sharding():
-  """Returns TensorFlow's `xla_sharding` module wherever this build keeps it.
-
-  The original module imported it from
-  `tensorflow.compiler.xla.experimental.xla_sharding`, which TensorFlow later
-  moved under `tensorflow.python.compiler`.
-  """
+  """TensorFlow's `xla_sharding` module: where TensorFlow moved it, else
+  where the original module imported it from."""
   try:
     from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -154,11 +147,8 @@ def import_xla_sharding():
 
 
 def host_device(device):
-  """The CPU of the task that `device` names (a string; '' for no device).
-
-  For what has no GPU kernel (mutexes, a table's list of rows, bookkeeping),
-  so that it also places where soft placement is off.
-  """
+  """The CPU of the task that `device` names ('' for no device): for what has
+  no GPU kernel, so that it places also where soft placement is off."""
   spec = tf.DeviceSpec.from_string(device or '')
   return spec.replace(device_type='CPU', device_index=0).to_string()
 
@@ -171,15 +161,13 @@ def is_ref_variable(variable):
 def cond(pred, true_fn, false_fn):
   """`tf.cond` that runs only the branch taken, on every run.
 
-  A Python bool `pred` (decided at graph build) builds the branch it names
-  alone. In a session TensorFlow lowers a control flow v2 `If` into Switch
-  and Merge ops, which push "dead" tensors through every op of the branch
-  not taken, on every run: the cycle's apply branch holds a few ops per
-  variable and is not taken on grad_steps - 1 of grad_steps micro-steps.
-  Unlowered (the private attribute `_lower_using_switch_merge` False), the
-  `If` runs the taken branch only, as a function. An unlowered `If` runs
-  where its resources are, so only where they share one device (not under
-  a strategy). Where the attribute cannot be set, it stays lowered.
+  A Python bool `pred` builds only its branch. In a session TensorFlow
+  lowers an `If` to Switch and Merge ops, which push "dead" tensors through
+  every op of the branch not taken: the apply branch, on grad_steps - 1 of
+  grad_steps micro-steps. An unlowered `If` (private attribute
+  `_lower_using_switch_merge`) runs on its resources' device, so it is
+  unlowered only where they share one; where the attribute cannot be set,
+  it stays lowered.
   """
   if isinstance(pred, bool):
     return true_fn() if pred else false_fn()
@@ -226,11 +214,8 @@ def replica_index():
 
 
 def replica_components(variables):
-  """The variables a replica updates: its own components of mirrored ones.
-
-  In a replica context, updates of a `MirroredVariable` whose aggregation is
-  NONE (optimizer slots) go to the replica's own component; the raw kernels
-  used on accumulators need that component itself.
+  """The variables a replica updates: its own components of mirrored ones,
+  which the raw kernels used on accumulators need.
 
   Args:
     variables: variables, distributed or not.
@@ -247,8 +232,7 @@ def replica_components(variables):
 
 
 def in_multi_worker_mode(strategy):
-  """True under a strategy whose cluster has several tasks (workers, or
-  workers and parameter servers).
+  """True under a strategy whose cluster has several tasks.
 
   Args:
     strategy: a `tf.distribute.Strategy`.
@@ -265,11 +249,8 @@ def in_multi_worker_mode(strategy):
 
 def in_xla_context():
   """True while building inside an XLA computation (a TPU rewrite,
-  `xla.compile`), where only XLA-compilable ops may be made.
-
-  Also inside a function graph built within one (a control flow v2 branch),
-  whose own graph knows nothing of the XLA context around it. TensorFlow
-  has no public test for it (see the module docstring).
+  `xla.compile`), where only compilable ops may be made, or inside a
+  function graph within one, which does not know it. No public API tells.
 
   Returns:
     A bool.
@@ -288,15 +269,12 @@ def in_xla_context():
 def plain_global_step_read(global_step):
   """Gives hooks a read of `global_step` that needs no other worker.
 
-  Hooks (`StopAtStepHook`, `CheckpointSaverHook`, ...) fetch the tensor that
-  `tf.compat.v1.train` caches for reading the global step:
-  `cond(is_initialized, read, initial_value)`. Under
-  `MultiWorkerMirroredStrategy` a variable's initial value is broadcast
-  from worker 0, upstream of that `cond`, so every fetch of it runs a
-  collective: when one worker makes one more such run than another, the
-  workers' collectives no longer match and both hang. This caches a plain
-  read instead. Where a TensorFlow moved the key, the cached read is left
-  alone.
+  Hooks (`StopAtStepHook`, ...) fetch the read that `tf.compat.v1.train`
+  caches, `cond(is_initialized, read, initial_value)`. Under
+  `MultiWorkerMirroredStrategy` the initial value is broadcast from worker
+  0, so each fetch runs a collective, and workers hang once one fetches it
+  more often than another. This caches a plain read instead, unless
+  TensorFlow moved the cache's key.
 
   Args:
     global_step: the global step variable given to `apply_gradients`.

@@ -1,38 +1,20 @@
 """Optimizer wrapper for deferred (accumulated) gradient application.
 
-The algorithm reads top to bottom from `apply_gradients`, one micro-step:
+`apply_gradients` builds one micro-step, read top to bottom:
 
-1. check the arguments; the train op's record and its accumulators, made
-   once for all replicas (`records`, `accumulators`);
-2. take the run's lock and read the cycle's `Position`, first (`records`);
-3. the micro-step on each replica: check (finite?), weigh, add, count;
-4. one decision, a `tf.cond` on the cycle's end: the GPU path decides after
-   a `merge_call` into the cross-replica context, the TPU path in the
-   replica; the two differ only in that and in where replicas meet;
-5. the apply step: sum the cycle's counts over replicas once, decide
-   whether it applies (a `nonfinite_policy`), and on each replica apply the
-   cycle's gradient (its factor made in one function, `_factor`) and reset;
+1. check the arguments; make the train op's record and accumulators once
+   for all replicas (`records`, `accumulators`);
+2. take the run's lock and read the cycle's `Position` (`records`);
+3. on each replica: check (finite?), weigh, add, count;
+4. decide in a `tf.cond` on the cycle's end: the GPU path after a
+   `merge_call` into the cross-replica context, the TPU path in the replica;
+5. apply: sum the counts over replicas once, decide whether the cycle
+   applies, then on each replica apply its gradient and reset;
 6. advance: count the micro-step, release the lock.
 
-The GPU path is the original's: each replica's wrapped `apply_gradients`
-all-reduces inside the apply step, so replicas talk only on the micro-steps
-that apply. The TPU path decides inside the replica, where an XLA
-computation keeps the whole step. What a cycle applies is decided by a few
-pure functions of the counts (`Policy`, `_increments`,
-`_should_apply`, `_factor`). (Unlike optax's `MultiSteps` with
-`skip_not_finite`, a micro-batch skipped by `nonfinite_policy` still counts
-as a micro-step of its cycle: the cycle's length stays `grad_steps` runs,
-as the schedules, checkpoints and step limits counted in runs expect.)
-What a model
-runs once per update beside the train op hangs on the same decision
-(`once_per_update`).
-
-The mechanics are one call away, called with values and returning values:
-`accumulators` (the cycle's sums), `records` (the train op's record: its
-cycle, counters, lock), `distribute` (where replicas and workers meet),
-`checkpoints` (state, names, conversion), `arguments` (checks) and
-`compat` (TensorFlow versions; `PRIVATE_NAMES`, every private TensorFlow
-name in use, with its reason).
+Pure functions of the counts decide what a cycle applies (`_should_apply`,
+`_factor`). A micro-batch skipped by `nonfinite_policy` still counts (unlike
+in optax's `MultiSteps`): cycles last `grad_steps` runs, as schedules expect.
 """
 
 import collections
@@ -60,27 +42,17 @@ class Policy(collections.namedtuple(
     'Policy', ['nonfinite_policy', 'aggregation', 'weighted', 'counts'])):
   """The keywords that decide what a cycle applies (plain values).
 
-  Fields: `nonfinite_policy` (one of `arguments.NONFINITE_POLICIES`),
-  `aggregation` (one of `arguments.AGGREGATIONS`), `weighted` (micro-steps
-  carry a weight), and `counts`: the names of the per-replica counts a
-  cycle keeps for them, in the order of its counts' vector.
+  `counts` names the per-replica counts a cycle keeps, in vector order.
   """
 
   @classmethod
   def checked(cls, nonfinite_policy, aggregation, weighted):
-    """The policy of the constructor's keywords.
+    """Returns the `Policy` of the constructor's keywords.
 
-    Args:
-      nonfinite_policy: one of `arguments.NONFINITE_POLICIES`.
-      aggregation: one of `arguments.AGGREGATIONS`.
-      weighted: whether a `micro_batch_weight` was given.
-
-    Returns:
-      A `Policy`.
+    `weighted`: whether a `micro_batch_weight` was given.
 
     Raises:
-      ValueError: `nonfinite_policy` or `aggregation` is not one of its
-        choices (the message names the keyword and the value).
+      ValueError: `nonfinite_policy` or `aggregation` is not a valid choice.
     """
     arguments.check_choice(nonfinite_policy, arguments.NONFINITE_POLICIES,
                            'nonfinite_policy')
@@ -93,16 +65,8 @@ class Policy(collections.namedtuple(
 class ReplicaPart(object):
   """One replica's part of one train op: what its apply step needs.
 
-  An object, not a tuple: `merge_call` hands the cross-replica context one
-  value per replica for each argument, and would take a tuple apart.
-
-  Args and attributes:
-    record: the train op's record (`records.Record`, shared by the
-      replicas).
-    var_list: the variables.
-    accumulators: their `accumulators.Accumulators` (or `PassThrough`).
-    increments: the micro-step's counts (`_increments`).
-    shared_rows: its rows of tables whose list the replicas share, by index.
+  Not a tuple: `merge_call` would take it apart. `shared_rows`: its
+  rows of tables whose list the replicas share, by index.
   """
 
   def __init__(self, **fields):
@@ -119,19 +83,10 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   # Each run of train_op is a micro-step; every 8th also applies the update.
   ```
 
-  It accumulates the gradients of `grad_steps` micro-batches in a slot per
-  variable and hands their mean to the wrapped optimizer once per cycle, so
-  that training matches one batch `grad_steps` times larger. Batch
-  statistics stay per micro-batch; `global_step` counts micro-steps (feed
-  learning-rate schedules `applied_updates()`), or with
-  `global_step_counts='updates'` updates, as the large batch counts it.
-
-  Two code paths build the cycle logic, as the original's: the GPU path
-  (`use_tpu=False`) decides after a `merge_call`, and each replica's
-  wrapped `apply_gradients` all-reduces, so replicas talk only on apply
-  steps; the TPU path (`use_tpu=True`) decides in the replica. Runs of one
-  train op from several threads of a session take turns (a lock of its
-  own), so each micro-step counts once.
+  Gradients of `grad_steps` micro-batches accumulate in a slot per variable;
+  their mean goes to the wrapped optimizer once per cycle, as for one batch
+  `grad_steps` times larger (batch statistics stay per micro-batch). Runs of
+  one train op from several threads take turns: each micro-step counts once.
   """
 
   @_not_converted
@@ -149,51 +104,37 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                micro_batch_weight=None,
                name='GradientAggregationOptimizer',
                global_step_counts='micro_steps'):
-    """Constructs the wrapper (the README's keyword table links the guides).
+    """Constructs the wrapper.
 
     Args:
       opt: the `tf.compat.v1.train.Optimizer` that applies the mean gradient.
       grad_steps: micro-steps per update: a positive int, or a schedule (a
-        scalar integer tensor, or a callable of the updates applied, an
-        int64 tensor, returning one), read on each cycle's first micro-step.
-      apply_crs_to_grad: bool; True sums each accumulated gradient over TPU
-        cores (`tf.compat.v1.tpu.cross_replica_sum`, TPU only).
-      xla_num_partitions: None, or a positive int: annotate accumulator reads
-        with an XLA sharding over that many partitions (`sharding`).
-      use_tpu: bool; True selects the TPU path described above.
-      sparse_as_dense: bool; True densifies `tf.IndexedSlices` (the
-        original's), False accumulates and hands on the rows touched.
+        scalar integer tensor, or a callable of the int64 updates applied
+        returning one), read on each cycle's first micro-step.
+      apply_crs_to_grad: bool; sum each accumulated gradient over TPU cores.
+      xla_num_partitions: None, or a positive int: shard accumulator reads
+        over that many XLA partitions (`sharding`).
+      use_tpu: bool; decide the cycle inside the replica (the TPU path).
+      sparse_as_dense: bool; densify `tf.IndexedSlices` (else keep the rows).
       nonfinite_policy: for a NaN or inf micro-batch: None (it poisons the
-        update, the original's), 'skip_micro_batch' (the mean of the finite
-        ones) or 'skip_cycle' (the cycle applies nothing).
-      accumulator_dtype: None (the variable's dtype), or a wider float dtype
-        such as tf.float32 to sum half-precision gradients in.
-      clip_norm: None, or a positive float: the cycle's gradient is clipped
-        to this global norm (over all replicas); inf clips nothing.
-      aggregation: 'mean' (the default, the original's) or 'sum': what the
-        cycle applies of its micro-batch gradients.
+        update), 'skip_micro_batch' (apply the mean of the finite ones) or
+        'skip_cycle' (the cycle applies nothing).
+      accumulator_dtype: None (the variable's dtype), or a wider float dtype.
+      clip_norm: None, or a positive float: clip the cycle's gradient to this
+        global norm over all replicas (inf clips nothing).
+      aggregation: 'mean' or 'sum' of the micro-batch gradients.
       micro_batch_weight: None, or a scalar tensor (or a callable, called on
-        each replica) weighing the micro-step, e.g. its token count: the
-        cycle applies `sum(w_i * g_i) / sum(w_i)` (with 'sum', the numerator).
-      name: the name scope of the ops `apply_gradients` makes, as every
-        `tf.compat.v1.train.Optimizer` takes it.
-      global_step_counts: what the `global_step` passed to `apply_gradients`
-        counts: 'micro_steps' (the default, the original's: one per run) or
-        'updates' (one per cycle ended, as the large batch counts its
-        steps, so that schedules, `max_steps`, `save_checkpoints_steps` and
-        a moving average's `num_updates` read it as they did).
+        each replica) weighing the micro-step, e.g. its token count: the cycle
+        applies `sum(w_i * g_i) / sum(w_i)` (with 'sum', the numerator).
+      name: the name scope of the ops `apply_gradients` makes.
+      global_step_counts: what `global_step` counts: 'micro_steps' (one per
+        run; feed schedules `applied_updates()`) or 'updates' (one per cycle,
+        as the large batch counts, so schedules and step limits read it as is).
 
     Raises:
-      TypeError: `opt` is not a `tf.compat.v1.train.Optimizer` (or is a
-        `SyncReplicasOptimizer`); `grad_steps` is neither an int, an integer
-        tensor nor a callable; a flag is not a bool; `accumulator_dtype` is
-        not a dtype; `clip_norm` not a number; `micro_batch_weight` neither
-        a tensor nor a callable; `name` not a string.
-      ValueError: `grad_steps` or `xla_num_partitions` is below 1 (or a
-        tensor `grad_steps` is not a scalar); `accumulator_dtype` is not a
-        float dtype; `clip_norm` is not positive; `nonfinite_policy`,
-        `aggregation` or `global_step_counts` is not one of the choices
-        above.
+      TypeError: an argument has the wrong type (e.g. `opt` is not a v1
+        `Optimizer`, or is a `SyncReplicasOptimizer`).
+      ValueError: an argument is out of range or not one of its choices.
     """
     self._opt = arguments.check_optimizer(opt)
     self._grad_steps = arguments.check_grad_steps(grad_steps)
@@ -216,8 +157,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
         global_step_counts, arguments.GLOBAL_STEP_COUNTS,
         'global_step_counts') == 'updates'
     super().__init__(use_locking=False, name=name)
-    # The records of the train ops built (`records.Record`): their
-    # counters, and the names of the ops that end their runs.
+    # The train ops' `records.Record`s, in the order built.
     self._records = []
     self.strategy = tf.distribute.get_strategy()
 
@@ -228,10 +168,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   @property
   def skipped_micro_batches(self):
-    """int64 variable: micro-batches a `nonfinite_policy` skipped, or None.
+    """int64 variable: micro-batches a `nonfinite_policy` skipped (or None).
 
-    Over replicas, counted on each apply step: that of the train op built
-    last (in this graph if one was built here).
+    Of the train op built last (in this graph if any), updated on apply steps.
 
     Raises:
       ValueError: no train op has been built with this wrapper.
@@ -240,8 +179,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
   @property
   def skipped_cycles(self):
-    """int64 variable: cycles a `nonfinite_policy` applied nothing in, or
-    None (as `skipped_micro_batches`).
+    """int64 variable: cycles that applied nothing, or None (as above).
 
     Raises:
       ValueError: no train op has been built with this wrapper.
@@ -252,23 +190,19 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def applies_update(self, train_op=None):
     """A boolean tensor: True when a run of the train op ends a cycle.
 
-    Like `micro_step_in_cycle` and `applied_updates`, it reads the train
-    op's counters as they stand before a run counts its micro-step: fetched
-    with the train op, it says what that run does; fetched alone (a hook, a
-    summary), what the next run will do, with no feed and no write. Use it
-    in the graph too (summaries on apply steps). With a `nonfinite_policy`
-    a cycle may end applying nothing (`skipped_cycles`).
+    It reads the counters before the run counts its micro-step, as do
+    `micro_step_in_cycle` and `applied_updates`: fetched with the train op it
+    tells that run, fetched alone (a hook) the next.
 
     Args:
-      train_op: the op `minimize` or `apply_gradients` returned (or one that
-        groups it); None: the train op built last in this graph.
+      train_op: the op `minimize` or `apply_gradients` returned (or a group
+        of it); None: the train op built last in this graph.
 
     Returns:
       A boolean scalar tensor.
 
     Raises:
-      ValueError: no train op has been built with this wrapper in this
-        graph, or `train_op` is not one of them (or groups several).
+      ValueError: no train op of this wrapper in this graph matches `train_op`.
     """
     return self._record(train_op).applies_update()
 
@@ -280,10 +214,10 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
       train_op: as for `applies_update`.
 
     Returns:
-      An int64 scalar tensor (see `applies_update` for when it is read).
+      An int64 scalar tensor, read as `applies_update` is.
 
     Raises:
-      ValueError: as `applies_update`.
+      ValueError: as for `applies_update`.
     """
     return self._record(train_op).micro_step_in_cycle()
 
@@ -291,34 +225,30 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
   def applied_updates(self, train_op=None):
     """An int64 tensor: the updates the train op applied before a run.
 
-    For learning-rate schedules, in place of `global_step` (which counts
-    micro-steps), through a callable learning rate, called when the train op
-    is built: `MomentumOptimizer(lambda: schedule(opt.applied_updates()),
-    0.9)` (`opt` being this wrapper). With an int `grad_steps` it is
-    `global_step // grad_steps`; under a schedule, the train op's own count.
+    For learning-rate schedules, in place of `global_step`, through a
+    callable learning rate:
+    `MomentumOptimizer(lambda: schedule(opt.applied_updates()), 0.9)`.
 
     Args:
       train_op: as for `applies_update`.
 
     Returns:
-      An int64 scalar tensor (see `applies_update` for when it is read).
+      An int64 scalar tensor, read as `applies_update` is.
 
     Raises:
-      ValueError: as `applies_update`; or an int `grad_steps` and a train op
-        built without a `global_step`.
+      ValueError: as for `applies_update`; or an int `grad_steps` and a train
+        op built without a `global_step`.
     """
     return self._record(train_op).applied_updates()
 
   @_not_converted
   def once_per_update(self, train_op, fn):
-    """Runs `fn`'s ops after the update, on the runs that apply one.
+    """Runs `fn`'s ops after the update, only on the runs that apply one.
 
-    What a model runs beside its train op once per batch (a moving average
-    of the weights, a weight projection, a pruning mask's update, counters
-    of its own) belongs to the update: with the wrapper it must run once
-    per cycle, after the wrapped optimizer has applied, as the large batch
-    runs it once per batch. Ordering it after the train op alone would run
-    it on every micro-step.
+    For ops a model runs once per batch (a moving average, a pruning mask's
+    update), which after the train op alone would run every micro-step. `fn`
+    is called once, now, in a `tf.cond`; under a strategy, cross-replica (the
+    first replica's `fn`). It reads counters as `applies_update` does.
 
     ```python
     ema = tf.compat.v1.train.ExponentialMovingAverage(
@@ -326,33 +256,17 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     train_op = opt.once_per_update(train_op, lambda: ema.apply(ema_vars))
     ```
 
-    `fn` is called once, now, inside a `tf.cond` on whether the run applied
-    an update: not on accumulate-only micro-steps, nor on a cycle that a
-    `nonfinite_policy` (or a weight sum of 0) applied nothing in. Under a
-    strategy it runs once, in the cross-replica context where the wrapper
-    decides (a moving average then updates the mirrored averages with the
-    mirrored weights); where each replica made its own `fn` (an Estimator
-    `model_fn` under `train_distribute`), the first replica's. Counters read
-    inside it are those of `applies_update`:
-    the values before the run (`applied_updates() + 1` is the updates
-    applied once this one is, the large batch's `global_step` after its
-    train op).
-
     Args:
-      train_op: the op `minimize` or `apply_gradients` returned, or one
-        that groups it (the result of another `once_per_update` too).
-      fn: a callable with no arguments that makes the ops and returns them
-        (an op, a tensor, or a list of them), e.g. `lambda:
-        ema.apply(ema_vars)`.
+      train_op: the op `minimize` or `apply_gradients` returned, or a group
+        of it (such as another `once_per_update`'s result).
+      fn: a callable with no arguments that makes the ops and returns them.
 
     Returns:
       An op that runs `train_op`, then on update runs `fn`'s ops.
 
     Raises:
-      ValueError: `train_op` is no train op of this wrapper (see
-        `applies_update`), or `fn` made a summary (a summary inside the
-        cond cannot be fetched on the other runs: make it of a variable
-        that `fn` assigns).
+      ValueError: `train_op` is no train op of this wrapper, or `fn` made a
+        summary (unfetchable on other runs; summarize a variable `fn` sets).
       TypeError: `fn` is not callable, or returned None.
     """
     if not callable(fn):
@@ -406,19 +320,17 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """Delegates to the wrapped optimizer's `compute_gradients`.
 
     Args:
-      loss: the micro-batch's loss (a tensor, or a callable in eager code).
-      var_list: the variables to differentiate, or None (the trainable ones).
-      **kwargs: the wrapped optimizer's other arguments (`gate_gradients`,
-        `aggregation_method`, `colocate_gradients_with_ops`, `grad_loss`).
+      loss: the micro-batch's loss.
+      var_list: the variables, or None for the trainable ones.
+      **kwargs: the wrapped optimizer's other arguments.
 
     Returns:
       The (gradient, variable) pairs, for `apply_gradients`.
 
     Raises:
-      RuntimeError: in eager mode or inside a `tf.function`; on the GPU
-        path in a cross-replica context; under a multi-worker
-        `ParameterServerStrategy`.
-      ValueError: the TPU path under a strategy of several replicas.
+      RuntimeError: in eager mode or a `tf.function`; on the GPU path in a
+        cross-replica context; under a multi-worker `ParameterServerStrategy`.
+      ValueError: the TPU path under several replicas.
     """
     arguments.check_graph_mode('compute_gradients')
     arguments.check_replicas(tf.distribute.get_replica_context(),
@@ -434,31 +346,21 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     Args:
       grads_and_vars: (gradient, variable) pairs from `compute_gradients`;
         None gradients are skipped, a variable's repeats summed.
-      global_step: optional integer `Variable`, which the wrapper increments
-        once per call (micro-step), or once per cycle ended with
-        `global_step_counts='updates'`.
-      name: optional name for the returned op; all ops made here live under
-        this name scope (default: the optimizer's name).
+      global_step: optional integer `Variable`, incremented once per call, or
+        once per cycle with `global_step_counts='updates'`.
+      name: optional name of the returned op and scope of the ops made here.
 
     Returns:
       An op that runs one micro-step.
 
     Raises:
-      RuntimeError: in eager mode or inside a `tf.function`; on the GPU path
-        in a cross-replica context; under a multi-worker
-        `ParameterServerStrategy`.
-      NotImplementedError: a pair with a gradient holds no `tf.Variable`.
-      TypeError: `global_step` is not a `Variable`, or `name` not a string;
-        a gradient is not convertible to a Tensor or IndexedSlices, or its
-        dtype is not its variable's; `micro_batch_weight` is not of a number
-        dtype.
-      ValueError: no pairs, or every gradient is None; the gradients come
-        from a `SyncReplicasOptimizer`; `apply_crs_to_grad=True` outside a
-        TPU computation; the TPU path under a multi-replica strategy;
-        another wrapper train op counts `global_step` and one of the two
-        decides its cycle on it; an `accumulator_dtype` narrower than a
-        variable's; a `micro_batch_weight` not a scalar, or a constant one
-        negative or not finite; a schedule's constant below 1.
+      RuntimeError: as for `compute_gradients`.
+      NotImplementedError: a gradient's variable is not a `tf.Variable`.
+      TypeError: an argument, gradient or weight of the wrong type or dtype.
+      ValueError: as for `compute_gradients`; no gradients, or gradients of a
+        `SyncReplicasOptimizer`; `apply_crs_to_grad` outside TPU; a
+        `global_step` shared with a train op that decides its cycle on it; a
+        narrow `accumulator_dtype`; an invalid weight or schedule.
     """
     # The graph's train ops before this one (see `_listed_as_train_op`).
     train_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP)
@@ -545,8 +447,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                            accumulators=accumulators, increments=increments,
                            shared_rows=shared)
 
-      # 4. The decision: the TPU path in the replica, the GPU path (the
-      # original's: merge_call outside tf.cond) in the cross-replica context.
+      # 4. The decision: the TPU path in the replica, the GPU path in the
+      # cross-replica context (merge_call outside tf.cond).
       if self._use_tpu:
         checkpoints.create_wrapped_slots(self._opt, var_list, scopes, self)
         return _listed_as_train_op(self._end_micro_step(
@@ -566,17 +468,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                                   first(multi_worker)[0])
 
   def _end_micro_step(self, distribution, micro_steps, part, multi_worker):
-    """4. The decision, then 6. advance: the apply step on the cycle's end.
-
-    Args:
-      distribution: the strategy (GPU path) or None (TPU path).
-      micro_steps: the micro-step's ops, one per replica.
-      part: the `ReplicaPart` (PerReplica under a strategy).
-      multi_worker: whether the replicas span several workers.
-
-    Returns:
-      The micro-step's op, which ends by counting it.
-    """
+    """Steps 4 and 6: the apply step's cond on the cycle's end, then advance;
+    returns the micro-step's op. `distribution` is None on the TPU path."""
     parts = _parts(distribution, part)
     record = parts[0].record
     if distribution is not None and parts[0].shared_rows:
@@ -608,13 +501,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     return record.advance(record.position, updated)  # 6.
 
   def _apply_step(self, distribution, part, restart, multi_worker):
-    """5. Sum the counts over replicas once, decide; on each, apply, reset.
-
-    `restart`: a `distribute.MidCycleRestart`, or None.
-
-    Returns:
-      (the op, whether it applies: None for always, else a boolean scalar).
-    """
+    """Step 5: sums the counts over replicas once, decides, applies, resets;
+    returns (op, decision), decision None where the cycle always applies."""
     record = _parts(distribution, part)[0].record
     length = record.position.length
     # Where workers follow one schedule, its length travels with the counts.
@@ -656,10 +544,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
            1 - tf.cast(decision, tf.int64)))), decision
 
   def _apply_and_reset(self, part, length, factor, apply):
-    """5. On one replica: applies the cycle's gradient (if `apply`), resets.
-
-    `factor` (`_factor`) turns the sum of the cycle's `length` micro-steps
-    into the cycle's gradient."""
+    """Step 5 on one replica: applies the gradient if `apply`; resets."""
     read = part.accumulators.read()
     done = tf.no_op()
     if apply:
@@ -688,8 +573,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
 
     Args:
       var: a variable passed to `apply_gradients`.
-      name: a slot name: the wrapped optimizer's, or `grad_accum` (a second
-        train op's accumulator of `var`: `grad_accum_1`, ...).
+      name: the wrapped optimizer's slot name, or `grad_accum` (`grad_accum_1`
+        for a second train op, ...).
 
     Returns:
       The slot variable, or None.
@@ -714,10 +599,9 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     return self._opt.get_slot_names(*args, **kwargs)
 
   # ------------------------------- object-based checkpoints (Keras, etc.) --
-  # tf.train.Checkpoint and Keras's save_weights save the optimizer as an
-  # object: the wrapper shows the wrapped optimizer's non-slot variables and
-  # slots as its own (a bare optimizer's checkpoint restores into it, and
-  # its checkpoint into a bare optimizer), and its counters beside them.
+  # tf.train.Checkpoint and Keras's save_weights see the wrapped optimizer's
+  # variables and slots as the wrapper's, so checkpoints restore both ways
+  # with a bare optimizer; the wrapper's counters sit beside them.
 
   def _own_children(self):
     """{name: variable}: this graph's counters of the wrapper's train ops."""
@@ -746,9 +630,8 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     """The wrapped optimizer's and the wrapper's variables (this graph's).
 
     Returns:
-      The wrapped optimizer's non-slot variables, and each train op's
-      counters and tables' lists of rows built in the current graph, sorted
-      by name (the dense accumulators are the wrapped optimizer's slots).
+      The wrapped optimizer's non-slot variables and each train op's counters
+      and tables' lists of rows in this graph, sorted by name.
     """
     graph = _outermost_graph()
     own = [v for record in self._records for v in record.variables()
@@ -769,8 +652,7 @@ def _on_each_replica(distribution, fn, part):
 
 
 def _outermost_graph():
-  """The default graph, or the graph a function graph (a cond's branch) is
-  built in."""
+  """The default graph, or the outermost graph around a function graph."""
   graph = tf.compat.v1.get_default_graph()
   while getattr(graph, 'outer_graph', None) is not None:
     graph = graph.outer_graph
@@ -780,12 +662,8 @@ def _outermost_graph():
 # ---------------------------------------- what a cycle applies (numerics) --
 
 def _counts_dtype(variables, accumulator_dtype):
-  """The dtype a train op keeps its cycle's counts in.
-
-  That of its widest accumulator, at least float32: a weight sum of
-  fractional weights (0.3 tokens) in float32 would cost a float64 model
-  precision the accumulators keep.
-  """
+  """The dtype of a train op's counts: its widest accumulator's, at least
+  float32, so that fractional weight sums keep the model's precision."""
   dtypes = [accumulator_dtype or v.dtype.base_dtype for v in variables]
   return max(dtypes + [tf.float32], key=lambda dtype: dtype.size)
 
@@ -804,8 +682,7 @@ def _map_values(gradient, fn):
 
 
 def _all_finite(gradients):
-  """A boolean scalar: True if no gradient holds a NaN or an inf (an
-  IndexedSlices: in the rows it touches); None entries are left out."""
+  """A boolean scalar: no gradient holds a NaN or an inf (None skipped)."""
   return tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(g)))
                         for g in gradients if g is not None])
 
@@ -819,9 +696,8 @@ def _weigh(gradients, weight):
 
 
 def _increments(policy, finite, weight, dtype):
-  """What one micro-step adds to its replica's counts (scalars of `dtype`),
-  in the order of `policy.counts`: finite (1 or 0) and not, its weight (0
-  where skipped: a NaN weight stays out)."""
+  """A micro-step's additions to its replica's counts, in `policy.counts`
+  order: finite (1 or 0) and not, then its weight (0 where skipped)."""
   added = []
   if policy.nonfinite_policy:
     good = tf.cast(finite, dtype)
@@ -834,9 +710,8 @@ def _increments(policy, finite, weight, dtype):
 
 
 def _should_apply(policy, totals):
-  """Whether the cycle applies: None (always), or a boolean scalar of the
-  counts summed over replicas (rounded: after a restore they are sums of
-  equal shares)."""
+  """None (the cycle always applies), or a boolean scalar of the summed
+  counts (rounded: after a restore they are sums of equal shares)."""
   decisions = []
   if policy.nonfinite_policy == 'skip_micro_batch':
     decisions.append(tf.round(totals[GOOD]) > 0)
@@ -848,9 +723,8 @@ def _should_apply(policy, totals):
 
 
 def _ops_of(fn):
-  """`fn()`'s ops grouped in one op; a TypeError where it returned None.
-
-  A control flow v1 branch runs only what its result depends on."""
+  """`fn()`'s ops in one op (a control flow v1 branch runs only what its
+  result depends on); a TypeError where it returned None."""
   made = fn()
   if made is None:
     raise TypeError(
@@ -860,8 +734,7 @@ def _ops_of(fn):
 
 
 def _after_update(train_op, updated, fn):
-  """`train_op` and, after it, `fn`'s ops where `updated` (a boolean scalar
-  of the train op: this run applied an update)."""
+  """`train_op`, then `fn`'s ops where `updated` (a boolean scalar)."""
   summaries = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
   with tf.control_dependencies([train_op]):
     after = compat.cond(updated, lambda: _ops_of(fn), tf.no_op)
@@ -870,21 +743,8 @@ def _after_update(train_op, updated, fn):
 
 
 def _check_no_summary_made(before, maker='The wrapped optimizer'):
-  """Refuses a summary made inside the apply step's cond.
-
-  A summary made where the wrapped optimizer applies (a learning rate's, in
-  a callable it calls there), or in `once_per_update`'s `fn`, lives inside
-  a cond: it cannot be fetched on the other micro-steps, nor merged
-  (`merge_all`, which Estimator and MonitoredTrainingSession run, fails on
-  it).
-
-  Args:
-    before: the graph's SUMMARIES collection before the cond was built.
-    maker: what made the summaries, for the message.
-
-  Raises:
-    ValueError: a summary was made since, naming it.
-  """
+  """Raises a ValueError if summaries were made since `before`: inside the
+  apply step's cond they can be neither fetched on other runs nor merged."""
   made = [summary.name for summary in tf.compat.v1.get_collection(
       tf.compat.v1.GraphKeys.SUMMARIES) if all(
           summary is not known for known in before)]
@@ -897,41 +757,17 @@ def _check_no_summary_made(before, maker='The wrapped optimizer'):
 
 
 def _listed_as_train_op(train_op, before):
-  """Makes the graph's TRAIN_OP collection `before` and `train_op`.
-
-  A bare optimizer's `apply_gradients` adds the op it returns to
-  `tf.compat.v1.GraphKeys.TRAIN_OP` (scripts fetch it from there, also from
-  an imported meta graph). The wrapped optimizer's op is made inside this
-  train op's cond, where it cannot be fetched: the collection gets the
-  micro-step's op in its place.
-
-  Args:
-    train_op: the op `apply_gradients` returns.
-    before: the collection before `apply_gradients` built anything.
-
-  Returns:
-    `train_op`.
-  """
+  """Resets TRAIN_OP to `before` plus `train_op`, returning `train_op`: the
+  wrapped optimizer listed its own op there, inside a cond, unfetchable."""
   listed = tf.compat.v1.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
   listed[:] = before + [train_op] * all(op is not train_op for op in before)
   return train_op
 
 
 def _factor(policy, totals, replicas, length):
-  """The cycle's factor: what turns the accumulated sums into its gradient.
-
-  The accumulators hold the sum of the cycle's gradients divided by its
-  `length` (the original's scale). Returned as a fraction (numerator,
-  denominator) of scalars or numbers, which `_scaled` divides in each
-  gradient's own dtype, so that 4/3 is exact to float64 precision in a
-  float64 model; None where the sums are the cycle's gradient (the mean).
-
-  Args:
-    policy: the `Policy`.
-    totals: {name: the count summed over replicas}.
-    replicas: the number of replicas (a number or a float scalar).
-    length: the cycle's length.
-  """
+  """(numerator, denominator) turning the accumulators (the cycle's sum over
+  its `length`) into the cycle's gradient; None for the mean they hold. A
+  fraction, so that `_scaled` divides in each gradient's own dtype."""
   if policy.aggregation == 'sum':
     return (length, 1)
   if policy.weighted:
@@ -966,27 +802,10 @@ def _summed_by_id(gradient):
 
 
 def _clip_by_global_norm(gradients, clip_norm, whole):
-  """Clips the cycle's gradients to `clip_norm`, by their global norm.
-
-  Under a multi-replica strategy each replica holds its part of the sum;
-  the norm is that of the whole sum, so the parts are all-reduced first,
-  and each replica hands on 1/replicas of the clipped sum for the wrapped
-  optimizer's own all-reduce to add up. A table's list that the replicas
-  share is held whole by one replica (`whole`): only its squared norm is
-  all-reduced, and its rows go on sparse and as they are, never densified.
-  A table's gradient holds a row per id looked up, as the large batch's:
-  its rows of equal ids are added up first, so that the norm is the dense
-  gradient's.
-
-  Args:
-    gradients: the cycle's gradients (Tensors or IndexedSlices).
-    clip_norm: the largest global norm.
-    whole: per gradient, whether this replica holds all of the sum over
-      replicas, or none of it (`accumulators.Read.whole`).
-
-  Returns:
-    The clipped gradients.
-  """
+  """The gradients clipped by the global norm of their sum over replicas
+  (rows of equal ids added first); each replica keeps its share for the
+  wrapped optimizer's all-reduce. `whole`: per gradient, whether this
+  replica holds all of its sum or none (`accumulators.Read.whole`)."""
   replica_context = tf.distribute.get_replica_context()
   replicas = replica_context.num_replicas_in_sync
   if replicas == 1:

@@ -1,38 +1,10 @@
 """A train op's record: its cycle, its counters, and where a run stands.
 
-Each call of `apply_gradients` builds a train op, and each train op keeps
-one `Record`, made once for all the replicas that build it (`of_train_op`):
-its cycle, its counters, its run lock and the `Position` a run reads
-first. A cycle is `grad_steps` micro-steps; its last one applies the
-update. Two kinds of cycle share one interface (`read`, the `Position` of
-the next micro-step, a read and no write; `advance`, which counts it;
-`variables`), so that the optimizer never asks which one it has:
-
-* `StepCycle`, for an int `grad_steps`: the position is read from a step
-  variable, the `global_step` passed to `apply_gradients` (counting
-  micro-steps without bound, as in the original) or the wrapper's own
-  `update_count` (the TPU path, or no `global_step`), which counts
-  micro-steps modulo `grad_steps` (a float32 stops counting at 2**24); with
-  grad_steps=1 each micro-step is a whole cycle and nothing is kept.
-* `Schedule`, for a tensor or callable `grad_steps`: three counters of its
-  own hold the position, the length (read from the schedule on the cycle's
-  first micro-step, then held) and the updates applied.
-
-An int is not a constant schedule here (as it is in optax): its state is
-the original's, one step variable, so that the original's checkpoints
-restore and continue their cycle, and a micro-step writes one counter, not
-three.
-
-Beside the cycle, the record holds this cycle's counts on each replica
-(weights, finite and non-finite micro-batches, as the wrapper's policy
-says) and
-the totals of what a `nonfinite_policy` skipped. The first train op in a
-graph keeps the original's names (`update_count`), so that the original's
-checkpoints restore; later ones get unique names (`update_count_1`, ...) in
-the order the graph builds them. They are created outside the caller's
-variable-scope `reuse` setting, which would otherwise hand every wrapper
-the same variable. The records live in graph collections under tuple keys
-(not serialized into meta graphs), as TensorFlow's variable store does.
+Each train op keeps one `Record`, shared by the replicas that build it.
+A cycle is `grad_steps` micro-steps; the last applies the update. An int
+`grad_steps` (`StepCycle`) reads its place from one step variable, as the
+original did, so that its checkpoints restore mid-cycle; a schedule
+(`Schedule`) keeps three counters: place, length and updates applied.
 """
 
 import collections
@@ -49,8 +21,9 @@ tf = compat.import_tensorflow()
 
 SCHEDULE_NAMES = ('micro_step', 'cycle_length', 'applied_updates')
 _WEIGHTED, _COUNTS_UPDATES = checkpoints.WEIGHTED, checkpoints.COUNTS_UPDATES
-# Graph collections: [(global step key, whether it decides a cycle)] of the
-# train ops that count a global step; [[records of the n-th train op],
+# Graph collections, under tuple keys so that meta graphs do not serialize
+# them: [(global step name, whether it decides a cycle)] of the train ops
+# that count a global step; [[records of the n-th train op],
 # {replica id: train ops it built}].
 _COUNTED_STEPS = ('deferred_grad', 'counted_steps')
 # The tensors `applied_updates` made: the updates, not the raw global_step;
@@ -60,14 +33,13 @@ _WARNED = ('deferred_grad', 'warned_raw_global_step')
 _TRAIN_OPS = ('deferred_grad', 'train_ops')
 
 
-# A micro-step's place in its cycle, read under the train op's lock before
-# the micro-step adds or counts anything: `in_cycle` (an int64 scalar, 0 on
-# a cycle's first micro-step), `length` (the cycle's grad_steps: an int, or
-# a checked int64 scalar under a schedule), `is_end` (True, or a boolean
-# scalar: this micro-step applies), `updates` (the updates applied before
-# it: an int64 scalar, or None where it cannot be known), `step` (the value
-# read of a `StepCycle`'s step, else None) and `checks` (ops failing a
-# micro-step whose schedule gave a bad length: every write waits for them).
+# A micro-step's place in its cycle, read under the run's lock before it
+# adds or counts anything: `in_cycle` (int64, 0 on a cycle's first
+# micro-step), `length` (an int, or a checked int64 under a schedule),
+# `is_end` (True, or a boolean scalar: this micro-step applies), `updates`
+# (int64 updates applied before it, or None if unknown), `step` (a
+# `StepCycle`'s step as read, else None) and `checks` (ops failing a bad
+# schedule length or restored state: every write waits for them).
 Position = collections.namedtuple(
     'Position', 'in_cycle length is_end updates step checks')
 
@@ -76,11 +48,10 @@ class StepCycle(object):
   """A cycle of an int `grad_steps`, decided on a step variable.
 
   Args:
-    grad_steps: micro-steps per cycle (an int).
-    step: the variable the cycle is decided on: `global_step`, or the
-      wrapper's own `update_count`; None for grad_steps=1.
-    counts_global_step: whether `step` is the `global_step` (counted
-      without bound; else counted modulo `grad_steps`).
+    grad_steps: micro-steps per cycle.
+    step: `global_step` or `update_count`; None for grad_steps=1.
+    counts_global_step: whether `step` is `global_step`, counted without
+      bound (else modulo `grad_steps`: a float32 stops at 2**24).
   """
 
   def __init__(self, grad_steps, step=None, counts_global_step=False):
@@ -92,22 +63,19 @@ class StepCycle(object):
     return [] if self.step is None or self.counts_global_step else [self.step]
 
   def read(self, global_step=None, counts_updates=False):
-    """The `Position` of the next micro-step: its step read, no write.
+    """Returns the `Position` of the next micro-step; reads, never writes.
 
     Args:
-      global_step: the `global_step` the train op counts, or None; where
-        the cycle is decided on its own counter, the updates applied are
-        taken as `global_step // grad_steps` (`applied_updates`), or as
-        `global_step` itself where it counts updates.
-      counts_updates: whether `global_step` counts updates.
+      global_step: the `global_step` the train op counts, or None; the
+        updates applied are `global_step // grad_steps`.
+      counts_updates: whether `global_step` counts the updates itself.
     """
     value = None if self.step is None else self.step.read_value()
     updates = None
     if self.counts_global_step or global_step is not None:
       counted = value if self.counts_global_step else global_step.read_value()
-      # Counting updates, global_step is them: divided by 1 all the same, a
-      # value of its own (a ref variable's read may alias the buffer this
-      # run's increment changes in place).
+      # Divided by 1 when counting updates, for a value of its own: a ref
+      # variable's read may alias the buffer this run's increment changes.
       updates = tf.math.floordiv(tf.cast(counted, tf.int64),
                                  1 if counts_updates else self.grad_steps)
     if value is None:  # grad_steps=1: every micro-step is an update
@@ -132,15 +100,11 @@ class StepCycle(object):
 class Schedule(object):
   """The cycle of a schedule: `grad_steps` a tensor or a callable.
 
-  In checkpoints its counters make a job resume mid-cycle with the length
-  the cycle started with, whatever the schedule says by then; a value that
-  changes mid-cycle takes effect at the next cycle.
+  A cycle keeps the length it began with, across checkpoints too.
 
   Args:
-    grad_steps: a scalar integer tensor, or a callable of the updates
-      applied (an int64 scalar) returning one.
-    counters: three int64 variables: the micro-step's place in its cycle,
-      the cycle's length, the updates applied.
+    grad_steps: an integer scalar tensor, or a callable of the updates.
+    counters: three int64 variables: place, length, updates applied.
   """
 
   counts_global_step = False
@@ -154,13 +118,8 @@ class Schedule(object):
     return [self.in_cycle, self.length, self.updates]
 
   def _next_length(self, updates, in_cycle):
-    """The schedule's value for the cycle after `updates` updates.
-
-    Returns:
-      (an int64 scalar, [ops that fail the micro-step where the value is not
-      a scalar, or is below 1 on a cycle's first micro-step]). Inside XLA,
-      which compiles an Assert into nothing, no check: a value below 1
-      counts as 1.
+    """Returns (the length after `updates` updates, checks that it is a scalar
+    and, on a cycle's first micro-step, at least 1; none in XLA: no Asserts).
     """
     value = self._grad_steps
     if not tf.is_tensor(value):
@@ -180,7 +139,7 @@ class Schedule(object):
       return tf.reshape(value, []), [check]
 
   def read(self, global_step=None, counts_updates=False):
-    """The `Position` of the next micro-step: its counters read, no write."""
+    """Returns the `Position` of the next micro-step; reads, never writes."""
     del global_step, counts_updates  # the updates are counted here
     # Copied (stacked): under ref variables (v1 behaviour) a read may
     # alias the variable's buffer, which `advance` then writes in place.
@@ -208,30 +167,17 @@ class Record(object):
   Args and attributes:
     cycle: a `StepCycle` or a `Schedule`.
     global_step: the `global_step` the train op counts, or None.
-    counts: {name: variable} of this cycle's per-replica counts, in the
-      order the optimizer's policy names them; None where the micro-step is
-      its cycle (its counts are the micro-step's own).
-    skipped: (micro-batches, cycles) int64 totals of what a
-      `nonfinite_policy` skipped, or (None, None).
+    counts: {name: variable} of the cycle's per-replica counts, in the
+      policy's order; None where a micro-step is its own cycle.
+    skipped: (micro-batches, cycles) totals a policy skipped, or Nones.
     counts_dtype: the dtype of the counts.
-    settings: (the settings variable, its first three values, the
-      variable holding the `global_step` the last micro-step left under
-      `global_step_counts='updates'` or None), or None (see
-      `_settings_variable`).
-    counts_updates: whether `global_step` counts updates (one per cycle
-      ended), not micro-steps (`global_step_counts`).
+    settings: what `_settings_variable` returns, or None.
+    counts_updates: whether `global_step` counts updates, not micro-steps.
 
   Attributes:
-    position: the `Position` a run of this train op reads first (None
-      until `begin_run`): fetched alone it says what the next run will do.
-    lock: the lock a run holds, or None.
-    updated: a boolean scalar, True where a run applied an update (its
-      value exists once the run's apply step has run), or None until the
-      train op is built.
-    op_names: the names of the ops that end its runs (`minimize` and
-      `apply_gradients` return them; one per wrapper under a strategy).
-    lists: {id(table): its list of rows} (`accumulators`).
-    counters: the counters: the cycle's, its counts, what a policy skipped.
+    position: the `Position` a run reads first; None until `begin_run`.
+    op_names: the names of the ops that end its runs.
+    counters: its variables, but for its tables' lists.
   """
 
   def __init__(self, cycle, global_step, counts, skipped, counts_dtype,
@@ -252,31 +198,24 @@ class Record(object):
             if v is not None]
 
   def begin_run(self, locked, checks=(), in_xla=False):
-    """Takes the run's lock (if `locked`) and reads the `Position`, once.
-
-    Under a multi-replica strategy the first replica to build the train op
-    makes them; the others share them. Its checks include that the cycle's
-    state continues under this train op's settings (`_settings_check`).
+    """Locks (if `locked`) and reads the `Position`, once for all replicas.
 
     Args:
-      locked: whether runs of this train op take turns (a mutex of its own).
-      checks: ops to run before the position is read (that the worker's
-        own counters are initialized, `distribute.initialized_check`).
-      in_xla: built inside an XLA computation (which compiles an Assert
-        into nothing).
+      locked: whether runs of this train op take turns on a mutex.
+      checks: ops to run before the read (`distribute.initialized_check`).
+      in_xla: whether inside XLA, which drops Asserts (no settings checks).
 
     Returns:
       (the lock or None, the `Position`).
     """
     if self.position is None:
       if locked:
-        # A mutex of its own, held for the rest of the run: every op made
-        # under `tf.control_dependencies([lock])` runs while the run holds
-        # it, so that runs of one train op from several threads of a session
-        # (queue runners, Hogwild-style trainers) take turns: each
-        # micro-step reads its place, adds, applies and counts as one. A run
-        # that fails releases it. On the host CPU (mutexes have no other
-        # kernels), of the device's task (a parameter-server worker's own).
+        # Ops made under a dependency on the lock run while the run holds it,
+        # so that runs from several session threads (queue runners,
+        # Hogwild-style trainers) take turns, each micro-step reading,
+        # adding, applying and counting as one; a failed run releases it. On
+        # the CPU, as mutexes have no other kernels, of the device's task (a
+        # parameter-server worker's own).
         with tf.device('/device:CPU:0'):
           self.lock = tf.raw_ops.MutexLock(
               mutex=tf.raw_ops.MutexV2(name='run_lock'))
@@ -298,21 +237,18 @@ class Record(object):
     return self.lock, self.position
 
   def advance(self, position, updated):
-    """Counts the micro-step at `position` once its work has run; releases
-    the run's lock. Records `updated` and the op that ends the run.
-
-    After every value derived from the position's read too: under ref
-    variables (v1 behaviour) a read may alias the buffer written here.
+    """Counts the micro-step after its work, and releases the run's lock.
 
     Args:
       position: the `Position` that `begin_run` read.
-      updated: a boolean scalar, True where the run applied an update,
-        which ends the micro-step's work (adds, apply step).
+      updated: a boolean scalar, True where the run applied an update.
 
     Returns:
       The op that ends the micro-step.
     """
     self.updated = updated
+    # After every value derived from the read too: a ref variable's read may
+    # alias the buffer written here.
     derived = [t for t in (position.in_cycle, position.is_end,
                            position.updates, self.step_read)
                if tf.is_tensor(t)]
@@ -372,15 +308,14 @@ class Record(object):
   def counts_of_cycle(self, increments):
     """This replica's counts of the cycle, this micro-step's included.
 
-    Copied: under ref variables (v1 behaviour) a read may alias the
-    variable's buffer, which the apply step then resets in place.
-
     Args:
       increments: the micro-step's counts (ordered after they are added).
 
     Returns:
       A list of scalar tensors, in the order of `counts`.
     """
+    # Copied (stacked): a ref variable's read may alias the buffer that the
+    # apply step resets in place.
     counts = list(increments) if self.counts is None else [
         v.read_value() for v in self._local_counts()]
     return tf.unstack(tf.stack(counts)) if counts else []
@@ -452,32 +387,26 @@ class Record(object):
 
 def of_train_op(replica, grad_steps, policy, own_counter, global_step, local,
                 counts_dtype, multi_worker, counts_updates=False):
-  """The record of the train op being built, made once for all replicas.
+  """Returns the record of the train op being built, shared by all replicas.
 
-  Under a multi-replica strategy every replica builds each train op: the
-  same wrapper's `apply_gradients` runs once per replica, and an Estimator
-  model_fn even makes a wrapper per replica. The n-th train op a replica
-  builds in a graph is the n-th of every other replica: the first replica
-  to build it creates its record and its variables, the others share it.
-  Call it under `tf.init_scope()`.
+  The n-th train op each replica builds shares one. Call under init_scope.
 
   Args:
     replica: this replica's index in its sync group (0 without replicas).
-    grad_steps: the int, or a schedule (a tensor or a callable).
+    grad_steps: an int, or a schedule (a tensor or a callable).
     policy: the wrapper's `optimizer.Policy`.
-    own_counter: an int cycle counts in `update_count`, not `global_step`.
+    own_counter: whether an int cycle counts in `update_count`.
     global_step: the global step the train op counts, or None.
     local: None (global variables), or a `distribute.WorkerLocal`.
     counts_dtype: the dtype of the cycle's counts.
-    multi_worker: under a multi-worker strategy.
-    counts_updates: `global_step` counts updates (`global_step_counts`).
+    multi_worker: whether under a multi-worker strategy.
+    counts_updates: whether `global_step` counts updates.
 
   Returns:
     A `Record`.
 
   Raises:
-    ValueError: another wrapper train op counts the `global_step` this one
-      decides its cycle on, or the reverse.
+    ValueError: two train ops count `global_step`, one deciding its cycle.
   """
   train_ops = tf.compat.v1.get_default_graph().get_collection_ref(_TRAIN_OPS)
   if not train_ops:
@@ -493,10 +422,8 @@ def of_train_op(replica, grad_steps, policy, own_counter, global_step, local,
 
 def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
             multi_worker, counts_updates):
-  """Creates a train op's record and its variables (see `of_train_op`).
-
-  With grad_steps=1 a micro-step is its cycle: its counts are tensors of
-  the step, and only a policy's totals are variables.
+  """Returns a new `Record` and makes its variables (see `of_train_op`); with
+  grad_steps=1, only a policy's totals are variables.
   """
   fixed = isinstance(grad_steps, int)
   accumulates = not (fixed and grad_steps == 1)
@@ -541,28 +468,11 @@ def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
 
 
 def _settings_variable(values, cycle, global_step):
-  """A train op's settings variable, in the train op's name scope.
+  """Returns (the settings variable, `values`, the step-left variable or None).
 
-  `<scope>/deferred_grad_settings`, int64 [grad_steps or 0 for a schedule,
-  flags (1: weighted, `_COUNTS_UPDATES`: `global_step` counts updates), the
-  `nonfinite_policy`'s index, the place in the cycle after the last
-  micro-step]: a partial cycle's sums mean what the settings they were
-  added under say (divided by that `grad_steps`, weighted or not), and a
-  checkpoint holds them beside the sums (`_settings_check`).
-
-  Args:
-    values: the first three values.
-    cycle: the train op's cycle (`StepCycle` or `Schedule`).
-    global_step: the `global_step` it counts, or None.
-
-  Under `global_step_counts='updates'` a second variable,
-  `<scope>/deferred_grad_global_step`, holds the `global_step` the last
-  micro-step left (-1: not known, afresh): only the wrapper moves it then,
-  so a run that finds it moved meets a script's own increment
-  (`_step_check`).
-
-  Returns:
-    (the variable, `values`, the second variable or None).
+  `deferred_grad_settings` [grad_steps or 0, flags, policy index, place]
+  says what a checkpoint's partial sums mean (`_settings_check`); counting
+  updates, `deferred_grad_global_step` holds what the last micro-step left.
   """
   step_left = None
   if values[1] & _COUNTS_UPDATES and global_step is not None:
@@ -583,14 +493,8 @@ def _settings_variable(values, cycle, global_step):
 
 
 def _step_check(global_step, step_left, step_read):
-  """An op that fails a micro-step finding `global_step` moved since the
-  wrapper's last micro-step (`global_step_counts='updates'`, where the
-  wrapper alone moves it, once per cycle ended).
-
-  Args:
-    global_step: the `global_step` variable.
-    step_left: the variable holding what the last micro-step left, or -1.
-    step_read: `global_step` as this run read it (int64).
+  """Returns an Assert failing a run that finds `global_step` moved since the
+  last micro-step: counting updates, only the wrapper moves it.
   """
   left = step_left.read_value()
   return tf.debugging.Assert(
@@ -605,24 +509,17 @@ def _step_check(global_step, step_left, step_read):
 
 
 def _settings_check(variable, values, position):
-  """An op that fails a micro-step whose restored cycle does not continue
-  here: saved mid-cycle under other settings, or placed mid-cycle by a
-  `global_step` without the cycle's partial sums.
-
-  Args:
-    variable: the settings variable (`_settings_variable`).
-    values: this train op's settings (its first three values).
-    position: the micro-step's `Position`.
+  """Returns an Assert failing a run whose restored cycle cannot continue:
+  saved mid-cycle under other settings, or mid-cycle without partial sums.
   """
-  # Copied (stacked), as `Schedule.read`'s counters: under ref variables
-  # (v1 behaviour) a read may alias the buffer that a run's write changes
-  # in place (runs from several threads saw another run's settings). int32
-  # and strings: an Assert of them needs no cond around it.
+  # Copied (stacked), as in `Schedule.read`: a ref variable's read may alias
+  # the buffer another run's write changes in place. int32 and strings: an
+  # Assert of them needs no cond around it.
   saved = tf.cast(tf.stack(tf.unstack(variable.read_value(), 4)), tf.int32)
   place = tf.cast(position.in_cycle, tf.int32)
   # The same grad_steps; weights and a policy kept (the sums do not depend
-  # on the policy's kind; counts added are missing from the checkpoint,
-  # which then starts the cycle afresh); the place it left.
+  # on the policy's kind; counts it lacks would start the cycle afresh);
+  # the place it left.
   flags = saved[1]
   kept = [tf.equal(saved[0], values[0]), tf.equal(saved[3], place)]
   if not values[1] & _WEIGHTED:
@@ -631,8 +528,7 @@ def _settings_check(variable, values, position):
     kept.append(tf.equal(saved[2], 0))
   continues = tf.reduce_all(tf.stack(kept))
   afresh = tf.logical_and(tf.equal(saved[3], 0), tf.equal(place, 0))
-  # What global_step counts, at any place (`checkpoints.convert_checkpoint`
-  # converts it).
+  # What global_step counts, at any place (`convert_checkpoint` converts).
   same_count = tf.equal(tf.bitwise.bitwise_and(flags, _COUNTS_UPDATES),
                         values[1] & _COUNTS_UPDATES)
   policy = arguments.NONFINITE_POLICIES[values[2]]
@@ -662,29 +558,18 @@ def _settings_check(variable, values, position):
 
 
 def _own_variable(name, dtype, local, counter=True):
-  """Creates a scalar variable named `name` in the current variable scope,
-  initially 0.
-
-  Call it under `tf.init_scope()`. The name is made unique in the graph.
-
-  Args:
-    name: the base name, e.g. 'update_count'.
-    dtype: its dtype.
-    local: None (a global variable), or a `distribute.WorkerLocal`.
-    counter: whether a multi-replica strategy takes the first replica's
-      writes (a counter), or aggregates none (a replica's count).
-
-  Returns:
-    The variable (not trainable).
+  """Returns a new scalar variable, 0 at first, named `name` in the scope;
+  `counter`: a strategy keeps the first replica's writes, else each's own.
   """
   scope = tf.compat.v1.get_variable_scope().name
   full_name = scope + '/' + name if scope else name
   initial_value = lambda: tf.constant(0, dtype)
   if local is not None:
     return local.variable(full_name, initial_value, dtype)
-  # name_scope(None): the variable scope's name, not the current name
-  # scope's, as `tf.compat.v1.get_variable` (the original's) names it; the
-  # graph appends _1, _2, ... when the name is taken.
+  # A Variable, not get_variable: the caller's `reuse` would hand every
+  # wrapper the same one. name_scope(None): named in the variable scope, as
+  # get_variable (the original's) names it; the graph appends _1, _2, ...
+  # when the name is taken, so later train ops get `update_count_1`, ...
   with tf.compat.v1.name_scope(None):
     return tf.compat.v1.Variable(
         initial_value, dtype=dtype, name=full_name, trainable=False,
@@ -693,20 +578,11 @@ def _own_variable(name, dtype, local, counter=True):
 
 
 def _count_global_step(global_step, accumulates):
-  """Records that a train op counts `global_step`; refuses a conflict.
-
-  A train op that accumulates (an int grad_steps > 1) decides its cycle on
-  the `global_step` it counts, so no other wrapper train op may count the
-  same one: each would see only part of the micro-steps (two train ops run
-  in turn each see every other one) and apply at the wrong micro-steps.
-
-  Args:
-    global_step: the variable passed to `apply_gradients`.
-    accumulates: whether this train op decides its cycle on it.
+  """Records that a train op counts `global_step`.
 
   Raises:
-    ValueError: another train op of a wrapper in this graph counts
-      `global_step`, and one of the two decides its cycle on it.
+    ValueError: another train op counts it and one of the two decides its
+      cycle on it: each would see only part of the micro-steps.
   """
   counted = tf.compat.v1.get_default_graph().get_collection_ref(
       _COUNTED_STEPS)
@@ -725,11 +601,9 @@ def _count_global_step(global_step, accumulates):
 def applied_updates(global_step, grad_steps, name=None):
   """Returns how many accumulated updates have been applied, as a tensor.
 
-  `GradientAggregationOptimizer` increments `global_step` once per micro-step,
-  so a learning-rate schedule or `AdagradDAOptimizer` that reads
-  `global_step` would advance `grad_steps` times too fast. Give them this
-  tensor instead: read while an update is applied, it equals the `global_step`
-  that large-batch training would have at that update.
+  The wrapper increments `global_step` once per micro-step, so a schedule
+  on it advances `grad_steps` times too fast: give it this tensor instead
+  (after a train op counting `global_step`, that op's `applied_updates()`).
 
   ```python
   global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -740,32 +614,17 @@ def applied_updates(global_step, grad_steps, name=None):
       tf.compat.v1.train.MomentumOptimizer(learning_rate, 0.9), grad_steps=4)
   ```
 
-  Made after a train op that counts `global_step` with this `grad_steps`
-  (in a moving average after the train op, a summary, a hook's fetch), it
-  is that train op's `applied_updates()`: the updates before the run,
-  wherever it is read in the run. Made before one (a learning rate), it is
-  `global_step // grad_steps`, a plain read: right where the update reads
-  it, but fetched in a run beside the train op it may read `global_step`
-  before or after the run's increment (README "Counters").
-
-  With a schedule (`grad_steps` a tensor or a callable) the updates are
-  not a function of `global_step`: use the wrapper's
-  `GradientAggregationOptimizer.applied_updates()` there. With
-  `global_step_counts='updates'`, `global_step` is the updates: a schedule
-  reads it directly (a wrapped optimizer reading this tensor is refused).
-
   Args:
-    global_step: the integer step variable (or tensor) passed to
-      `apply_gradients`, counting micro-steps.
-    grad_steps: the wrapper's `grad_steps`.
-    name: optional name for the returned tensor's scope.
+    global_step: the integer step passed to `apply_gradients`, counting
+      micro-steps (counting updates, use `global_step` itself).
+    grad_steps: the wrapper's int `grad_steps`.
+    name: optional name scope.
 
   Returns:
     An integer tensor of `global_step`'s dtype: `global_step // grad_steps`.
 
   Raises:
-    TypeError, ValueError: `grad_steps` is not a positive int (a schedule
-      included).
+    TypeError, ValueError: `grad_steps` is a schedule or not a positive int.
   """
   if tf.is_tensor(grad_steps) or callable(grad_steps):
     raise TypeError(
@@ -791,12 +650,8 @@ def applied_updates(global_step, grad_steps, name=None):
 def check_schedule_reads(op, record, grad_steps):
   """Checks what the wrapped optimizer's update `op` reads as its step.
 
-  Counting micro-steps, a learning rate (or another hyperparameter) decayed
-  on the raw `global_step` advances `grad_steps` times too fast: a warning,
-  once per graph and global step, names the fixes. Counting updates
-  (`global_step_counts='updates'`), `deferred_grad.applied_updates(
-  global_step, grad_steps)` made before the train op divides the updates
-  by `grad_steps` again: an error.
+  Counting micro-steps, a raw `global_step` read gets a warning; counting
+  updates, an `applied_updates` read is refused.
 
   Args:
     op: the op the wrapped optimizer's `apply_gradients` returned.
@@ -804,8 +659,7 @@ def check_schedule_reads(op, record, grad_steps):
     grad_steps: the wrapper's `grad_steps`, for the messages.
 
   Raises:
-    ValueError: counting updates, the update reads
-      `deferred_grad.applied_updates` of this `global_step`.
+    ValueError: counting updates, `op` reads `applied_updates`.
   """
   step = record.global_step
   if step is None:
@@ -843,10 +697,9 @@ def check_schedule_reads(op, record, grad_steps):
 
 
 def _reads(op, targets, stops, graph):
-  """The name of the op through which `op` reads one of the ops named
-  `targets` in `graph`, walking its inputs back (from a control flow v2
-  branch to what it captured; not into a v1 cond's predicate; through the
-  NoOps grouping `op`'s own ops), not past the ops named `stops`; or None.
+  """Returns the name of the op through which `op` reads an op in `targets`,
+  or None. Walks inputs back, not past `stops`: into v2 captures and `op`'s
+  grouping NoOps, not into a v1 cond's predicate.
   """
   seen, pending = set(), [op]
   while pending and len(seen) < 100000:
@@ -856,8 +709,8 @@ def _reads(op, targets, stops, graph):
     inputs = list(current.inputs)
     if current.type in ('Switch', 'RefSwitch'):
       inputs = inputs[:1]  # not the cond's predicate (the cycle's end)
-    if current.type == 'NoOp':  # a group of the optimizer's updates (not
-      # the orderings a v1 cond gives every op of its branch)
+    if current.type == 'NoOp':  # a group of the optimizer's updates, not
+      # the orderings a v1 cond gives every op of its branch
       grouped = [c for c in current.control_inputs
                  if c.name.startswith(op.name + '/') and
                  (c.graph, c.name) not in seen]

@@ -1,10 +1,4 @@
-"""XLA sharding of gradient accumulators.
-
-The rule is the original module's, written for Transformer/BERT-like models:
-rank-3 tensors are split on dimension 1; rank-2 tensors on dimension 1 when
-they have fewer rows than columns, else on dimension 0; tensors of any other
-rank are left alone.
-"""
+"""XLA sharding of accumulators, by the original rule for Transformer models."""
 
 from deferred_grad import compat
 
@@ -12,21 +6,20 @@ xla_sharding = compat.import_xla_sharding()
 
 
 def split_dimension(shape):
-  """Returns the dimension the rule splits a tensor of `shape` on, or None.
+  """Returns the dimension to split a tensor of `shape` on, or None.
 
   Args:
-    shape: a `tf.TensorShape` (or a list of ints) of known rank.
+    shape: a `tf.TensorShape` or a list of ints, of known rank.
 
   Returns:
-    0 or 1, or None when a tensor of this rank is not sharded.
+    1 at rank 3; at rank 2, 1 if fewer rows than columns, else 0; else None.
   """
   dims = list(shape)
   if len(dims) == 3:
     return 1
   if len(dims) == 2:
     rows, columns = dims
-    # An unknown size compares as "not fewer rows", which keeps the original's
-    # choice of dimension 0 for it.
+    # An unknown size counts as not fewer rows: dimension 0, as the original.
     if rows is not None and columns is not None and rows < columns:
       return 1
     return 0
@@ -34,17 +27,14 @@ def split_dimension(shape):
 
 
 def shard(tensor, num_partitions):
-  """Annotates `tensor` with the XLA sharding of the rule above.
-
-  On CPU and GPU without XLA the added `XlaSharding` op is an identity.
+  """Annotates `tensor` with its XLA sharding; an identity without XLA.
 
   Args:
     tensor: a `tf.Tensor`, typically an accumulator's value.
     num_partitions: the number of partitions, or None for no sharding.
 
   Returns:
-    `tensor` itself when `num_partitions` is None or the rank is not sharded,
-    else the output of an `XlaSharding` op.
+    `tensor` itself, or the `XlaSharding` op's output where it is split.
   """
   if num_partitions is None or tensor.shape.rank is None:
     return tensor
