@@ -59,7 +59,8 @@ def _train_op(loss, params):
     grad_steps = _schedule
   if grad_steps:
     optimizer = deferred_grad.GradientAggregationOptimizer(
-        optimizer, grad_steps, use_tpu=params['use_tpu'])
+        optimizer, grad_steps, use_tpu=params['use_tpu'],
+        global_step_counts=params.get('counts', 'micro_steps'))
   return optimizer.minimize(
       loss, global_step=tf.compat.v1.train.get_global_step())
 
@@ -84,11 +85,12 @@ def _run_config(model_dir, **kwargs):
       **kwargs)
 
 
-def _estimator(model_dir, grad_steps, use_tpu=False, **config):
+def _estimator(model_dir, grad_steps, use_tpu=False, counts='micro_steps',
+               **config):
   return tf.compat.v1.estimator.Estimator(
       _model_fn,
       config=_run_config(model_dir, **config),
-      params={'grad_steps': grad_steps, 'use_tpu': use_tpu})
+      params={'grad_steps': grad_steps, 'use_tpu': use_tpu, 'counts': counts})
 
 
 def _weights(estimator):
@@ -133,12 +135,14 @@ def test_tpu_estimator_on_cpu_matches_large_batch(tmp_path, use_tpu):
   training.assert_same_training([_weights(estimator)], [expected])
 
 
-def test_estimator_mirrored_strategy_matches_large_batch(tmp_path):
+@pytest.mark.parametrize('counts', ['micro_steps', 'updates'])
+def test_estimator_mirrored_strategy_matches_large_batch(tmp_path, counts):
   """Each replica takes its own micro-batch from the dataset.
 
   Estimator scales the loss by 1/replicas for TF1 optimizers, so the
   all-reduced sum is the mean over all replicas' examples. The default
   cross-device ops hang this Estimator at step 0 even without the wrapper.
+  With global_step_counts='updates', max_steps is the large batch's.
   """
   replicas = 2
   expected, examples = _large_batch_weights(
@@ -147,10 +151,11 @@ def test_estimator_mirrored_strategy_matches_large_batch(tmp_path):
       ['/cpu:0', '/cpu:1'],
       cross_device_ops=tf.distribute.ReductionToOneDevice())
   estimator = _estimator(
-      str(tmp_path / 'mirrored'), GRAD_STEPS, train_distribute=strategy)
-  estimator.train(
-      _input_fn(examples, models.MICRO_BATCH), max_steps=CYCLES * GRAD_STEPS)
-  assert estimator.get_variable_value('global_step') == CYCLES * GRAD_STEPS
+      str(tmp_path / 'mirrored'), GRAD_STEPS, counts=counts,
+      train_distribute=strategy)
+  steps = CYCLES * (GRAD_STEPS if counts == 'micro_steps' else 1)
+  estimator.train(_input_fn(examples, models.MICRO_BATCH), max_steps=steps)
+  assert estimator.get_variable_value('global_step') == steps
   training.assert_same_training([_weights(estimator)], [expected])
 
 
