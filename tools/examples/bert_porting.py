@@ -18,6 +18,13 @@ matches the large batch within float32 round-off, on both paths, in both
 graph behaviours, resumed mid-cycle too (tests/test_porting.py). The edits
 are safe to make unconditionally: grad_steps=1 keeps every one of them.
 
+With `global_step_counts='updates'` (the README's first edit), global_step
+counts updates as the large batch does, and edits 3 and 4 below go away:
+the schedule reads global_step itself (`applied_updates(global_step,
+grad_steps)` is then refused, naming it) and the step flags keep their
+values; a kept increment (1.) fails the next micro-step naming it. This
+guide shows the default, micro-step counting, the original's.
+
 1. Step increments. The wrapper increments global_step once per micro-step,
    whatever the wrapped optimizer does with it: remove the script's own
    `global_step.assign(global_step + 1)` (with both, it counts two per

@@ -9,6 +9,13 @@ of the weights after the train op, which evaluation and export read
 (`ema.variables_to_restore()`); and `host_call` summaries. Six edits port
 it to micro-batches (each marked `# N.` below):
 
+With `global_step_counts='updates'` (the README's first edit), global_step
+counts updates as the large batch does: edits 3 and 6 go away (the
+schedule, `max_steps` and `save_checkpoints_steps` read global_step as
+before), and the moving average keeps `num_updates=global_step` inside
+`once_per_update` (4.). This guide shows the default, micro-step counting.
+tests/test_ported_scripts.py ports a script of this shape with the option.
+
 1. `train_batch_size` is the micro-batch; the learning rate is scaled on
    the large batch, `grad_steps * train_batch_size`.
 2. Wrap the optimizer: `deferred_grad.GradientAggregationOptimizer(opt,
