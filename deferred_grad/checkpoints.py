@@ -139,6 +139,8 @@ def convert_checkpoint(checkpoint, var_list=None):
   which `MonitoredTrainingSession`, `Estimator` and `Supervisor` restore.
   A mid-cycle checkpoint under another `grad_steps`, weighting or
   `nonfinite_policy` is copied as it is: its first micro-step then fails.
+  In a job of several processes, run it in one (the chief) before the
+  others restore: each would write the same copy.
 
   ```python
   train_op = opt.minimize(loss, global_step=global_step)
