@@ -582,8 +582,8 @@ def _cycle_rows(gradient, owner):
   return ids * steps if ids and steps else None
 
 
-def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
-           in_xla=False, local=None, multi_worker=False, replica=None):
+def create(opt, grads_and_vars, owner, build, sparse, dtype=None,
+           num_partitions=None):
   """A replica's `Accumulators` for the (gradient, variable) pairs.
 
   Call it under `tf.init_scope()`, on each replica. Dense accumulators are
@@ -593,13 +593,11 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
     opt: the wrapped optimizer, which owns the slots.
     grads_and_vars: the (gradient, variable) pairs.
     owner: the train op's record (`records.Record`).
+    build: where it is built (`distribute.Build`): inside XLA tables are
+      accumulated densely; a `WorkerLocal` makes the worker's own variables.
     sparse: accumulate IndexedSlices row by row (else densely).
     dtype: `accumulator_dtype`, or None.
     num_partitions: `xla_num_partitions`, or None.
-    in_xla: whether built inside XLA (tables then dense).
-    local: None, or a `distribute.WorkerLocal`: the worker's own variables.
-    multi_worker: whether under a multi-worker strategy.
-    replica: this replica's index under a multi-replica strategy, else None.
 
   Returns:
     An `Accumulators`.
@@ -608,6 +606,8 @@ def create(opt, grads_and_vars, owner, sparse, dtype=None, num_partitions=None,
     ValueError: a dtype other than that of a variable of unknown shape, or a
       sparse gradient whose rows cannot be listed, outside XLA.
   """
+  in_xla, local, multi_worker = build.in_xla, build.local, build.multi_worker
+  replica = build.replica if build.replicas > 1 else None
   mirrored = replica is not None and local is None  # a table's list
   # Lists are not sums over replicas (a mirrored one's components are
   # alike, or each replica's own across workers): only dense ones are.

@@ -1,8 +1,18 @@
 """Where replicas and workers meet: strategies, workers, parameter servers."""
 
+import collections
+
 from deferred_grad import compat
 
 tf = compat.import_tensorflow()
+
+# Where a train op is built, read once by `apply_gradients` and handed to
+# the records and accumulators: this replica's index in its sync group (0
+# without replicas), the replicas in sync, whether inside an XLA
+# computation, whether the replicas span several workers, and the worker's
+# `WorkerLocal` on a parameter-server worker (else None).
+Build = collections.namedtuple(
+    'Build', 'replica replicas in_xla multi_worker local')
 
 COLLECTIVE_GRAPH_KEY = 20190101
 

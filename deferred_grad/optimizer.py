@@ -378,7 +378,6 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     replicas = strategy.num_replicas_in_sync
     counts_dtype = _counts_dtype(var_list, self._accumulator_dtype)
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
-    replica = compat.replica_index()
     multi_worker = replicas > 1 and compat.in_multi_worker_mode(strategy)
     # Where the wrapped optimizer's non-slot variables go, found before the
     # name scope opens (`name` changes op names only); checkpoints restore
@@ -387,21 +386,21 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
     with tf.compat.v1.name_scope(name, self._name) as scope:
       # Variables on parameter servers: the state is the worker's own.
       local = distribute.worker_local(var_list)
+      build = distribute.Build(compat.replica_index(), replicas, in_xla,
+                               multi_worker, local)
       # Sparse or dense is fixed at graph build, from the gradients' types;
       # a cross-replica sum needs the same shape on every core: dense.
       sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
       with tf.init_scope():
         record = records.of_train_op(
-            replica, self._grad_steps, self._policy,
+            build, self._grad_steps, self._policy, global_step,
+            counts_dtype, self._counts_updates,
             own_counter=self._use_tpu or global_step is None or (
-                local is not None) or self._counts_updates,
-            global_step=global_step, local=local, counts_dtype=counts_dtype,
-            multi_worker=multi_worker, counts_updates=self._counts_updates)
+                local is not None) or self._counts_updates)
         if accumulates:  # each train op its own (see `accumulators`)
           accumulators = accumulators_lib.create(
-              self._opt, present, record, sparse, self._accumulator_dtype,
-              self._xla_num_partitions, in_xla, local, multi_worker,
-              replica if replicas > 1 else None)
+              self._opt, present, record, build, sparse,
+              self._accumulator_dtype, self._xla_num_partitions)
         else:
           accumulators = accumulators_lib.PassThrough(sparse)
       if record not in self._records:  # (a wrapper per replica: each)

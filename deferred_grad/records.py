@@ -385,22 +385,20 @@ class Record(object):
 
 # ------------------------------------------------------------- creation --
 
-def of_train_op(replica, grad_steps, policy, own_counter, global_step, local,
-                counts_dtype, multi_worker, counts_updates=False):
+def of_train_op(build, grad_steps, policy, global_step, counts_dtype,
+                counts_updates, own_counter):
   """Returns the record of the train op being built, shared by all replicas.
 
   The n-th train op each replica builds shares one. Call under init_scope.
 
   Args:
-    replica: this replica's index in its sync group (0 without replicas).
+    build: where it is built (`distribute.Build`).
     grad_steps: an int, or a schedule (a tensor or a callable).
     policy: the wrapper's `optimizer.Policy`.
-    own_counter: whether an int cycle counts in `update_count`.
     global_step: the global step the train op counts, or None.
-    local: None (global variables), or a `distribute.WorkerLocal`.
     counts_dtype: the dtype of the cycle's counts.
-    multi_worker: whether under a multi-worker strategy.
     counts_updates: whether `global_step` counts updates.
+    own_counter: whether an int cycle counts in `update_count`.
 
   Returns:
     A `Record`.
@@ -412,25 +410,26 @@ def of_train_op(replica, grad_steps, policy, own_counter, global_step, local,
   if not train_ops:
     train_ops.append(([], {}))
   records, calls = train_ops[0]
-  index = calls.get(replica, 0)
-  calls[replica] = index + 1
+  index = calls.get(build.replica, 0)
+  calls[build.replica] = index + 1
   if index == len(records):
-    records.append(_create(grad_steps, policy, own_counter, global_step,
-                           local, counts_dtype, multi_worker, counts_updates))
+    records.append(_create(build, grad_steps, policy, global_step,
+                           counts_dtype, counts_updates, own_counter))
   return records[index]
 
 
-def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
-            multi_worker, counts_updates):
+def _create(build, grad_steps, policy, global_step, counts_dtype,
+            counts_updates, own_counter):
   """Returns a new `Record` and makes its variables (see `of_train_op`); with
   grad_steps=1, only a policy's totals are variables.
   """
+  local = build.local
   fixed = isinstance(grad_steps, int)
   accumulates = not (fixed and grad_steps == 1)
   if global_step is not None:
     # Under a schedule the train op only counts it (`Schedule`).
     _count_global_step(global_step, fixed and accumulates)
-    if multi_worker:
+    if build.multi_worker:
       compat.plain_global_step_read(global_step)
   skipped = (None, None)
   if policy.nonfinite_policy:
@@ -438,8 +437,7 @@ def _create(grad_steps, policy, own_counter, global_step, local, counts_dtype,
                     for name in ('skipped_micro_batches', 'skipped_cycles'))
   cycle, counts = StepCycle(1), None
   if accumulates:
-    summed = tf.distribute.get_strategy().num_replicas_in_sync > 1 and (
-        not multi_worker)
+    summed = build.replicas > 1 and not build.multi_worker
     with (tf.compat.v1.variable_creator_scope(distribute.summed_on_save)
           if summed else contextlib.nullcontext()):
       # Saved as their sum over replicas.
