@@ -15,7 +15,6 @@ import itertools
 
 import numpy as np
 
-from deferred_grad import checkpoints
 from deferred_grad import compat
 from deferred_grad import distribute
 from deferred_grad import sharding
@@ -528,7 +527,7 @@ def _dense_slot(opt, variable, dtype, owner, local):
         '%s.' % (dtype.name, variable.name, variable.shape))
   if made:  # (under a strategy: by the replica that made it)
     slot.graph.add_to_collection(_OWNERS, (slot, owner))
-    checkpoints.add_to_state([slot])
+    owner.add_state([slot])
   return slot
 
 
@@ -556,7 +555,7 @@ def _list_of_rows(opt, variable, columns, dtype, owner, local, mirrored):
         initial, dtype=dtype, name=name, trainable=False,
         validate_shape=False, shape=tf.TensorShape(None),
         use_resource=not compat.is_ref_variable(variable)))
-  checkpoints.add_to_state(  # afresh: a list of no rows
+  owner.add_state(  # afresh: a list of no rows
       [listed], np.zeros([1, columns], dtype.as_numpy_dtype))
   opt._restore_slot_variable(slot_name_of(listed), variable, listed)  # pylint: disable=protected-access
   return listed

@@ -57,18 +57,23 @@ def add_to_state(variables, initial=None):
       state.append((variable, initial))
 
 
-def add_settings(variable, settings, place, global_step):
-  """Records a train op's settings variable, which each micro-step checks.
+def register(record):
+  """Records a train op's state and settings in their graph, once.
 
   Args:
-    variable: the int64 vector [grad_steps or 0, flags, policy, place].
-    settings: its first three values in this graph.
-    place: (the name of the counter the cycle's place is read from, its
-      modulus or None), for a checkpoint without settings.
-    global_step: the name of the train op's `global_step`, or None.
+    record: the train op's `records.Record`: its `state` [(variable, value
+      afresh or None)] and `settings_entry`, None or (the int64 vector
+      [grad_steps or 0, flags, policy, place], its first three values
+      here, (the name of the counter the cycle's place is read from, its
+      modulus or None), the name of the train op's `global_step` or None).
   """
-  variable.graph.add_to_collection(
-      _SETTINGS, (variable, settings, place, global_step))
+  for variable, initial in record.state:
+    add_to_state([variable], initial)
+  if record.settings_entry is not None:
+    variable = record.settings_entry[0]
+    known = variable.graph.get_collection_ref(_SETTINGS)
+    if not any(variable is entry[0] for entry in known):
+      known.append(record.settings_entry)
 
 
 def create_wrapped_slots(opt, var_list, scopes, wrapper):

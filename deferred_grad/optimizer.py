@@ -403,6 +403,7 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
               self._accumulator_dtype, self._xla_num_partitions)
         else:
           accumulators = accumulators_lib.PassThrough(sparse)
+        checkpoints.register(record)  # what a checkpoint holds of it
       if record not in self._records:  # (a wrapper per replica: each)
         self._records.append(record)
         for counter in record.counters:  # restored (object-based) already

@@ -181,8 +181,12 @@ class Record(object):
   """
 
   def __init__(self, cycle, global_step, counts, skipped, counts_dtype,
-               settings=None, counts_updates=False):
+               settings=None, counts_updates=False, state=(),
+               settings_entry=None):
     self.cycle = cycle
+    # What a checkpoint must hold, for `checkpoints.register`: [(variable,
+    # its value afresh or None)], and the settings' entry.
+    self.state, self.settings_entry = list(state), settings_entry
     self.global_step = global_step
     self.counts_updates = counts_updates
     self.counts_dtype = counts_dtype
@@ -279,6 +283,11 @@ class Record(object):
         advanced = tf.raw_ops.ConsumeMutexLock(mutex_lock=self.lock)
     self.op_names.append(advanced.name)
     return advanced
+
+  def add_state(self, variables, initial=None):
+    """Adds `variables` to the state a checkpoint holds (`initial`: their
+    value afresh, or None for zeros)."""
+    self.state.extend((variable, initial) for variable in variables)
 
   def add_list(self, table, listed):
     """Records `listed`, the list of rows of `table` (`accumulators`).
@@ -451,22 +460,26 @@ def _create(build, grad_steps, policy, global_step, counts_dtype,
                         _own_variable('update_count', tf.float32, local))
     else:
       cycle = StepCycle(grad_steps, global_step, counts_global_step=True)
-  settings = None
+  settings = entry = None
+  state = []
   if local is None:  # (a parameter-server worker drops its partial cycle)
-    checkpoints.add_to_state(cycle.variables() + list((counts or {}).values())
-                             + [v for v in skipped if v is not None])
+    state = [(v, None) for v in cycle.variables() + list(
+        (counts or {}).values()) + [v for v in skipped if v is not None]]
     if accumulates:
-      settings = _settings_variable(
+      settings, entry = _settings_variable(
           [grad_steps if fixed else 0,
            int(policy.weighted) | (_COUNTS_UPDATES if counts_updates else 0),
            arguments.NONFINITE_POLICIES.index(policy.nonfinite_policy)],
           cycle, global_step)
+      if settings[2] is not None:  # afresh: not known
+        state.append((settings[2], np.array(-1, np.int64)))
   return Record(cycle, global_step, counts, skipped, counts_dtype, settings,
-                counts_updates)
+                counts_updates, state, entry)
 
 
 def _settings_variable(values, cycle, global_step):
-  """Returns (the settings variable, `values`, the step-left variable or None).
+  """Returns ((the settings variable, `values`, the step-left variable or
+  None), the settings' entry for `checkpoints.register`).
 
   `deferred_grad_settings` [grad_steps or 0, flags, policy index, place]
   says what a checkpoint's partial sums mean (`_settings_check`); counting
@@ -477,17 +490,16 @@ def _settings_variable(values, cycle, global_step):
     step_left = tf.compat.v1.Variable(
         lambda: tf.constant(-1, tf.int64), name='deferred_grad_global_step',
         trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-    checkpoints.add_to_state([step_left], np.array(-1, np.int64))
   variable = tf.compat.v1.Variable(
       lambda: tf.constant(values + [0], tf.int64),
       name='deferred_grad_settings',
       trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
   # Where a checkpoint without settings (the original's) has its place.
   counter = cycle.in_cycle if isinstance(cycle, Schedule) else cycle.step
-  checkpoints.add_settings(variable, values, (
+  entry = (variable, values, (
       counter.name.split(':')[0], cycle.grad_steps or None), (
           None if global_step is None else global_step.name.split(':')[0]))
-  return variable, values, step_left
+  return (variable, values, step_left), entry
 
 
 def _step_check(global_step, step_left, step_read):
