@@ -66,8 +66,12 @@ def _input_fn(batch=None):
 
 
 def _dense(x):
-  return tf.compat.v1.layers.dense(
-      x, 1, kernel_initializer=tf.compat.v1.zeros_initializer(), name='dense')
+  """A dense layer of one unit (tf.compat.v1.layers needs Keras 2)."""
+  with tf.compat.v1.variable_scope('dense'):
+    zeros = tf.compat.v1.zeros_initializer()
+    kernel = tf.compat.v1.get_variable('kernel', [4, 1], initializer=zeros)
+    bias = tf.compat.v1.get_variable('bias', [1], initializer=zeros)
+  return tf.matmul(x, kernel) + bias
 
 
 class _Recorder(tf.compat.v1.train.SessionRunHook):
