@@ -230,10 +230,14 @@ class Record(object):
           checks = [_settings_check(self.settings, self.settings_values,
                                     self.position)]
           if self.step_left is not None:
-            # A value of its own (a ref variable's read may alias the
+            # The global_step this run found: an int cycle has read it as
+            # its updates; a schedule counts its own, so read it here, a
+            # value of its own (a ref variable's read may alias the
             # buffer this run's increment changes in place).
-            self.step_read = tf.math.floordiv(
-                tf.cast(self.global_step.read_value(), tf.int64), 1)
+            self.step_read = (
+                self.position.updates if isinstance(self.cycle, StepCycle)
+                else tf.math.floordiv(
+                    tf.cast(self.global_step.read_value(), tf.int64), 1))
             checks.append(_step_check(self.global_step, self.step_left,
                                       self.step_read))
           self.position = self.position._replace(
