@@ -16,13 +16,14 @@ from deferred_grad.checkpoints import convert_checkpoint
 from deferred_grad.distribute import collective_barrier
 from deferred_grad.distribute import collective_run_options
 from deferred_grad.optimizer import GradientAggregationOptimizer
+from deferred_grad.records import PortCheckHook
 from deferred_grad.records import applied_updates
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 __version__ = '0.1.0'
 
 __all__ = [
-    'ConvertCheckpointHook', 'GradientAggregationOptimizer', 'Saver',
-    'applied_updates', 'collective_barrier', 'collective_run_options',
+    'ConvertCheckpointHook', 'GradientAggregationOptimizer', 'PortCheckHook',
+    'Saver', 'applied_updates', 'collective_barrier', 'collective_run_options',
     'convert_checkpoint'
 ]

@@ -739,3 +739,116 @@ def _reads(op, targets, stops, graph):
         seen.add((tensor.graph, tensor.op.name))
         pending.append(tensor.op)
   return None
+
+
+# The op types that write a variable: assignments, scatters, fused updates.
+_WRITES = ('Assign', 'Scatter', 'ResourceScatter', 'Apply', 'ResourceApply',
+           'SparseApply', 'ResourceSparseApply')
+
+
+class PortCheckHook(tf.compat.v1.train.SessionRunHook):
+  """Warns of the edits a port may still need that no train op can see.
+
+  The wrapper sees what its train op reads, not what a script builds after
+  it nor where the script stops. Add this hook while porting; a correct
+  port logs nothing.
+
+  * `begin` names each op ordered after a train op of the wrapper that
+    writes a variable on every micro-step: a moving average or projection
+    left after the train op (it belongs in `once_per_update`), or the
+    script's own `global_step` increment (remove it).
+  * `end` names a train op whose run stopped mid-cycle: micro-batches
+    accumulated and not applied.
+
+  ```python
+  estimator.train(input_fn, max_steps=...,
+                  hooks=[deferred_grad.PortCheckHook()])
+  ```
+
+  Without a `MonitoredSession` (a `Session` or `Supervisor` loop), call
+  `begin()` once the graph is built and `end(session)` after the last run.
+  """
+
+  def __init__(self):
+    self._places = []
+
+  def begin(self):
+    """Warns of writes after a train op; builds the reads `end` runs."""
+    graph = tf.compat.v1.get_default_graph()
+    train_ops = graph.get_collection(_TRAIN_OPS)
+    built = [record for record in (train_ops[0][0] if train_ops else [])
+             if record.op_names]
+    ends = {name: record.op_names[0] for record in built
+            for name in record.op_names}
+    found = collections.OrderedDict()
+    for op, train_op in _writes_after(graph, ends):
+      found.setdefault(train_op, []).append(op)
+    for train_op, ops in found.items():
+      written = sorted({op.inputs[0].op.name for op in ops if op.inputs})
+      tf.compat.v1.logging.warning(
+          'deferred_grad.PortCheckHook: %d op(s) run after the train op %s '
+          'and write on every micro-step: %s (%s, ...). If the large batch '
+          'ran them once per step (a moving average, a projection), build '
+          'them in opt.once_per_update(train_op, fn); if one increments '
+          'global_step, remove it: the wrapper counts global_step.',
+          len(ops), train_op, ', '.join(written[:5]) + (
+              ', ...' if len(written) > 5 else ''), ops[0].name)
+    self._places = []
+    with tf.compat.v1.name_scope('deferred_grad_port_check'):
+      for record in built:
+        cycle = record.cycle
+        if isinstance(cycle, Schedule):
+          place = (cycle.in_cycle.read_value(), cycle.length.read_value())
+        elif cycle.step is not None:
+          place = (tf.math.floormod(tf.cast(cycle.step.read_value(),
+                                            tf.int64), cycle.grad_steps),
+                   tf.constant(cycle.grad_steps, tf.int64))
+        else:  # every micro-step is an update
+          continue
+        self._places.append((record.op_names[0], place))
+
+  def end(self, session):
+    """Warns of each train op that stopped mid-cycle."""
+    if not self._places:
+      return
+    values = session.run([place for _, place in self._places])
+    for (train_op, _), (in_cycle, length) in zip(self._places, values):
+      if in_cycle:
+        tf.compat.v1.logging.warning(
+            'deferred_grad.PortCheckHook: training stopped mid-cycle: the '
+            'train op %s accumulated %d of its %d micro-batches and applied '
+            'none of them. A checkpoint saved now resumes them; to end on an '
+            'update, stop at a cycle\'s end (a step limit of N * grad_steps, '
+            'or global_step_counts=\'updates\').', train_op, in_cycle, length)
+
+
+def _writes_after(graph, ends):
+  """Returns [(op, the train op)] for each op of `graph` that writes a
+  variable and runs after an op in `ends` ({name: its train op}), by data or
+  control, on every run: not in a v1 cond's branch or loop (fed by a Switch,
+  as `once_per_update`'s branch is; a v2 cond is one op).
+  """
+  after, gated = collections.defaultdict(list), set()
+  switches = []
+  for op in graph.get_operations():
+    for before in [t.op for t in op.inputs] + list(op.control_inputs):
+      after[before.name].append(op)
+    if op.type in ('Switch', 'RefSwitch'):
+      switches.append(op)
+  while switches:  # what a Switch's outputs feed, up to a Merge
+    for tensor in switches.pop().outputs:
+      for op in tensor.consumers():
+        if op.name not in gated and op.type not in ('Merge', 'RefMerge'):
+          gated.add(op.name)
+          switches.append(op)
+  found, seen = [], set(ends)
+  pending = list(ends.items())
+  while pending:
+    name, train_op = pending.pop()
+    for op in after[name]:
+      if op.name not in seen:
+        seen.add(op.name)
+        pending.append((op.name, train_op))
+        if op.type.startswith(_WRITES) and op.name not in gated:
+          found.append((op, train_op))
+  return found

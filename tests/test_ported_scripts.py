@@ -8,7 +8,9 @@ something after its train op, `once_per_update`. Each port trains on the
 same examples as the bare script on the large batch, and the two must end
 alike: weights, the optimizer's slots, the learning rate of every update,
 the moving average, `global_step`, the checkpoint files kept and the
-micro-step where the run stops.
+micro-step where the run stops. Each port runs with
+`deferred_grad.PortCheckHook`, which must log nothing on it; with an edit
+skipped that the wrapper cannot see, the hook names it.
 
 * BERT's shape (google-research/bert): an Estimator model_fn, BERT's
   AdamWeightDecayOptimizer and warm-up schedule on `global_step`, and the
@@ -32,6 +34,7 @@ import tensorflow as tf
 
 import deferred_grad
 import scripts
+import training
 
 sys.path.insert(0, os.path.join(scripts.TOOLS, 'examples'))
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -128,6 +131,7 @@ def _trained(directory, recorder, pattern):
 def _bert_model_fn(features, labels, mode, params):
   """BERT's create_optimizer in a model_fn; `port`: the wrapper's K."""
   port, keep_increment = params['port'], params['keep_increment']
+  counts = params['counts']
   loss = tf.reduce_mean(tf.square(_dense(features) - labels))
   global_step = tf.compat.v1.train.get_or_create_global_step()
   learning_rate = learning_rate_schedule(global_step, 0.1, UPDATES, 2)
@@ -135,7 +139,7 @@ def _bert_model_fn(features, labels, mode, params):
   optimizer = AdamWeightDecayOptimizer(learning_rate)
   if port:
     optimizer = deferred_grad.GradientAggregationOptimizer(
-        optimizer, port, global_step_counts='updates')
+        optimizer, port, global_step_counts=counts)
   tvars = tf.compat.v1.trainable_variables()
   grads = tf.gradients(loss, tvars)
   train_op = optimizer.apply_gradients(zip(grads, tvars),
@@ -147,32 +151,55 @@ def _bert_model_fn(features, labels, mode, params):
                                               train_op=train_op)
 
 
-def _bert(directory, port, keep_increment=False):
+def _bert(directory, port, keep_increment=False, counts='updates',
+          stops=(UPDATES // 2, UPDATES)):
   recorder = _Recorder()
-  for max_steps in (UPDATES // 2, UPDATES):  # stopped and resumed
+  for max_steps in stops:  # stopped and resumed
     estimator = tf.compat.v1.estimator.Estimator(
         _bert_model_fn, directory, params={'port': port,
-                                           'keep_increment': keep_increment},
+                                           'keep_increment': keep_increment,
+                                           'counts': counts},
         config=tf.compat.v1.estimator.RunConfig(
             save_checkpoints_steps=2, keep_checkpoint_max=2,
             save_summary_steps=None, log_step_count_steps=None))
     estimator.train(_input_fn(MICRO if port else LARGE), max_steps=max_steps,
-                    hooks=[recorder])
+                    hooks=[recorder, deferred_grad.PortCheckHook()])
   return _trained(directory, recorder, r'dense/.*(kernel|bias)')
 
 
 @needs_estimator
 def test_a_bert_style_model_fn_trains_as_the_large_batch(tmp_path):
-  _assert_same(_bert(str(tmp_path / 'port'), K),
-               _bert(str(tmp_path / 'bare'), None))
+  with training.logged('PortCheckHook') as warned:
+    port = _bert(str(tmp_path / 'port'), K)
+  assert not warned
+  _assert_same(port, _bert(str(tmp_path / 'bare'), None))
 
 
 @needs_estimator
 def test_a_bert_style_model_fn_keeping_its_own_increment_fails_naming_it(
     tmp_path):
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match='the script increments it beside the wrapper'):
+  with training.logged('PortCheckHook') as warned, pytest.raises(
+      tf.errors.InvalidArgumentError,
+      match='the script increments it beside the wrapper'):
     _bert(str(tmp_path / 'port'), K, keep_increment=True)
+  assert len(warned) == 1 and 'every micro-step: global_step' in warned[0], warned
+
+
+@needs_estimator
+@pytest.mark.parametrize('counts', ['micro_steps', 'updates'])
+def test_a_run_stopped_mid_cycle_is_named_by_the_port_check(tmp_path,
+                                                            counts):
+  """Counting micro-steps, a `max_steps` not a multiple of K stops mid-cycle;
+  the hook names it. Counting updates, `max_steps` stops on an update."""
+  stop = UPDATES if counts == 'updates' else K * UPDATES - 2
+  with training.logged('PortCheckHook') as warned:
+    _bert(str(tmp_path / counts), K, counts=counts, stops=[stop])
+  if counts == 'updates':
+    assert not warned
+  else:
+    assert len(warned) == 1, warned
+    assert 'accumulated %d of its %d micro-batches' % (K - 2, K) in (
+        warned[0])
 
 
 # ------------------------------------------------ TPUEstimator image-style --
@@ -182,6 +209,7 @@ def _image_model_fn(features, labels, mode, params):
   port = params['port']
   loss = tf.reduce_mean(tf.square(_dense(features) - labels))
   global_step = tf.compat.v1.train.get_global_step()
+  once_per_update = port and not params['skip_once_per_update']
   step = tf.cast(global_step, tf.float32)
   scaled = 0.4 * LARGE / 256.0  # the batch-size setting: the large batch
   learning_rate = tf.where(
@@ -199,7 +227,7 @@ def _image_model_fn(features, labels, mode, params):
   ema = tf.compat.v1.train.ExponentialMovingAverage(0.9,
                                                     num_updates=global_step)
   ema_vars = tf.compat.v1.trainable_variables()
-  if port:
+  if once_per_update:
     train_op = optimizer.once_per_update(train_op,
                                          lambda: ema.apply(ema_vars))
   else:
@@ -209,19 +237,22 @@ def _image_model_fn(features, labels, mode, params):
                                                      train_op=train_op)
 
 
-def _image(directory, port, iterations_per_loop, use_tpu=False):
+def _image(directory, port, iterations_per_loop, use_tpu=False,
+           skip_once_per_update=False):
   recorder = _Recorder()
   tpu = tf.compat.v1.estimator.tpu
   estimator = tpu.TPUEstimator(
       _image_model_fn, use_tpu=False,
       train_batch_size=MICRO if port else LARGE,
-      params={'port': port, 'use_tpu': use_tpu},
+      params={'port': port, 'use_tpu': use_tpu,
+              'skip_once_per_update': skip_once_per_update},
       config=tpu.RunConfig(
           model_dir=directory, save_checkpoints_steps=2,
           keep_checkpoint_max=3, save_summary_steps=None,
           log_step_count_steps=None,
           tpu_config=tpu.TPUConfig(iterations_per_loop=iterations_per_loop)))
-  estimator.train(_input_fn(), max_steps=UPDATES, hooks=[recorder])
+  estimator.train(_input_fn(), max_steps=UPDATES,
+                  hooks=[recorder, deferred_grad.PortCheckHook()])
   return _trained(directory, recorder,
                   r'dense/.*(kernel|bias)(/RMSProp.*|/Exponential.*)?$')
 
@@ -230,11 +261,25 @@ def _image(directory, port, iterations_per_loop, use_tpu=False):
 @pytest.mark.parametrize('iterations_per_loop', [1, K])
 def test_a_tpu_estimator_image_model_fn_trains_as_the_large_batch(
     tmp_path, iterations_per_loop, use_tpu):
-  port = _image(str(tmp_path / 'port'), K, iterations_per_loop, use_tpu)
+  with training.logged('PortCheckHook') as warned:
+    port = _image(str(tmp_path / 'port'), K, iterations_per_loop, use_tpu)
+  assert not warned
   bare = _image(str(tmp_path / 'bare'), None, iterations_per_loop)
   assert any('ExponentialMovingAverage' in n for n in bare['variables'])
   assert any('RMSProp' in n for n in bare['variables'])
   _assert_same(port, bare)
+
+
+@needs_estimator
+def test_a_moving_average_left_after_the_train_op_is_named_by_the_port_check(
+    tmp_path, use_tpu):
+  with training.logged('PortCheckHook') as warned:
+    _image(str(tmp_path / 'port'), K, 1, use_tpu, skip_once_per_update=True)
+  assert len(warned) == 1, warned
+  assert 'write on every micro-step' in warned[0]
+  for name in ('dense/kernel/ExponentialMovingAverage',
+               'dense/bias/ExponentialMovingAverage', 'once_per_update'):
+    assert name in warned[0], warned
 
 
 # ------------------------------------------------- TF-Slim Supervisor-style --
@@ -258,6 +303,8 @@ def _slim(directory, port):
           optimizer, port, global_step_counts='updates')
     train_op = optimizer.minimize(loss, global_step)
     recorder.begin()
+    port_check = deferred_grad.PortCheckHook()
+    port_check.begin()  # no MonitoredSession: called as the hook would be
     supervisor = tf.compat.v1.train.Supervisor(
         logdir=directory, global_step=global_step, summary_op=None,
         save_model_secs=0, saver=tf.compat.v1.train.Saver(max_to_keep=2))
@@ -269,11 +316,14 @@ def _slim(directory, port):
           supervisor.request_stop()
       supervisor.saver.save(session, supervisor.save_path,
                             global_step=global_step)
+      port_check.end(session)
   return _trained(directory, recorder, r'dense/.*(kernel|bias)(/Momentum)?$')
 
 
 def test_a_slim_style_supervisor_loop_trains_as_the_large_batch(tmp_path):
-  port = _slim(str(tmp_path / 'port'), K)
+  with training.logged('PortCheckHook') as warned:
+    port = _slim(str(tmp_path / 'port'), K)
+  assert not warned
   bare = _slim(str(tmp_path / 'bare'), None)
   assert any('Momentum' in n for n in bare['variables'])
   _assert_same(port, bare)

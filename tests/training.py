@@ -5,6 +5,9 @@ whole cycles of data; `MirroredTrainer` does the same under MirroredStrategy
 over two logical CPUs. `assert_same_training` compares per-cycle weights.
 """
 
+import contextlib
+import logging
+
 import numpy as np
 import tensorflow as tf
 
@@ -285,3 +288,22 @@ def dense_accumulator(value, shape):
   dense = np.zeros(shape, value.dtype)
   np.add.at(dense, ids, rows)
   return dense
+
+
+@contextlib.contextmanager
+def logged(word):
+  """Yields a list of the messages TensorFlow logs meanwhile with `word`."""
+  messages = []
+
+  class Handler(logging.Handler):
+
+    def emit(self, record):
+      if word in record.getMessage():
+        messages.append(record.getMessage())
+
+  handler = Handler()
+  tf.get_logger().addHandler(handler)
+  try:
+    yield messages
+  finally:
+    tf.get_logger().removeHandler(handler)

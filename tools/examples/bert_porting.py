@@ -37,8 +37,11 @@ guide shows the default, micro-step counting, the original's.
      with tf.control_dependencies([train_op]):
        train_op = global_step.assign_add(1)           # the script's own
 
-   Nothing can tell at graph build that a script also increments the step:
-   this one is up to the checklist.
+   Kept beside the wrapper, an increment ordered after the train op is
+   named by `deferred_grad.PortCheckHook` (which `train` below runs), and
+   the next micro-step fails naming it where the wrapper reads the step it
+   left (counting updates; counting micro-steps, on the GPU path with an
+   int grad_steps).
 2. Clipping. `tf.clip_by_global_norm` between compute_gradients and
    apply_gradients clips each micro-batch: move it into `clip_norm=`, which
    clips the cycle's gradient. For sparse gradients the wrapper clips the
@@ -215,12 +218,15 @@ def train(examples, batch, runs, grad_steps=None, **kwargs):
     ({name: value} of the trainable variables, final global_step).
   """
   graph, train_op, feeds = build(grad_steps, **kwargs)
+  port_check = deferred_grad.PortCheckHook()  # logs nothing on this port
   with graph.as_default(), tf.compat.v1.Session() as session:
+    port_check.begin()
     session.run(tf.compat.v1.global_variables_initializer())
     for run in range(runs):
       rows = slice(run * batch, (run + 1) * batch)
       session.run(train_op, {feed: part[rows]
                              for feed, part in zip(feeds, examples)})
+    port_check.end(session)
     return (session.run({v.op.name: v
                          for v in tf.compat.v1.trainable_variables()}),
             session.run(tf.compat.v1.train.get_global_step()))

@@ -189,7 +189,9 @@ def train(grad_steps):
       train_batch_size=batch, eval_batch_size=FLAGS.micro_batch,
       use_tpu=False,
       params={'grad_steps': grad_steps, 'model_dir': model_dir})
-  estimator.train(input_fn, max_steps=steps)
+  # Names a moving average left after the train op, or a stop mid-cycle.
+  estimator.train(input_fn, max_steps=steps,
+                  hooks=[deferred_grad.PortCheckHook()])
   names = [name for name in estimator.get_variable_names()
            if name.startswith('model/') and '/RMSProp' not in name and
            'GradientAccumulator' not in name]

@@ -1,0 +1,154 @@
+"""deferred_grad.PortCheckHook: the edits a port still needs, named.
+
+What runs after a train op, and where a run stops, are invisible to the
+train op; the hook finds them in the whole graph (`begin`) and the cycle's
+place after the last run (`end`). Each case here has a control: the same
+script correctly ported, on which the hook must log nothing.
+"""
+
+import pytest
+import tensorflow as tf
+
+import deferred_grad
+import models
+from training import logged
+from training import MirroredTrainer
+from training import REPLICAS
+from training import Trainer
+
+K = 3
+# (replicas, use_tpu): the TPU path runs one replica per wrapper.
+WHERE = pytest.mark.parametrize('replicas,use_tpu', [(1, False), (1, True),
+                                                     (REPLICAS, False)],
+                                ids=['gpu_path', 'tpu_path', 'mirrored'])
+SGD = models.OPTIMIZERS['GradientDescent']
+
+
+def _after(kind):
+  """What the script runs after its train op: `Trainer`'s after_minimize."""
+
+  def after_minimize(optimizer, train_op, variables):
+    ema = tf.compat.v1.train.ExponentialMovingAverage(0.9)
+    weights = [variables[name] for name in sorted(variables)]
+    if kind == 'once_per_update':
+      return optimizer.once_per_update(train_op, lambda: ema.apply(weights))
+    with tf.control_dependencies([train_op]):
+      if kind == 'moving_average':  # the large batch's way
+        return ema.apply(weights)
+      return tf.compat.v1.train.get_global_step().assign_add(1)
+
+  return after_minimize
+
+
+def _trainer(replicas, **kwargs):
+  if replicas == 1:
+    return Trainer(SGD, step_tensor=None, **kwargs)
+  return MirroredTrainer(SGD, **kwargs)
+
+
+def _checked(trainer, micro_steps, replicas=1):
+  """Runs `micro_steps` micro-steps between the hook's begin and end.
+
+  Returns:
+    The hook's warnings.
+  """
+  x, y = models.make_data(1, replicas * models.MICRO_BATCH)
+  with trainer.graph.as_default(), logged('PortCheckHook') as warned:
+    hook = deferred_grad.PortCheckHook()
+    hook.begin()
+    with trainer.session() as session:
+      for _ in range(micro_steps):
+        trainer.micro_step(session, x[0], y[0])
+      hook.end(session)
+  return warned
+
+
+@WHERE
+@pytest.mark.parametrize('after', ['once_per_update', 'moving_average',
+                                   'increment'])
+def test_what_writes_after_the_train_op_every_micro_step_is_named(
+    after, replicas, use_tpu):
+  trainer = _trainer(replicas, grad_steps=K, use_tpu=use_tpu,
+                     after_minimize=_after(after))
+  # A whole cycle; the increment's second micro-step fails (test_counting).
+  warned = _checked(trainer, 1 if after == 'increment' else K, replicas)
+  if after == 'once_per_update':
+    assert not warned
+    return
+  writes = [m for m in warned if 'on every micro-step' in m]
+  assert len(writes) == 1, warned
+  names = (['b1/ExponentialMovingAverage', 'b2/ExponentialMovingAverage']
+           if after == 'moving_average' else ['every micro-step: global_step'])
+  for name in names + ['once_per_update', 'GradientAggregationOptimizer']:
+    assert name in writes[0], writes
+
+
+@WHERE
+@pytest.mark.parametrize('counts', ['micro_steps', 'updates'])
+@pytest.mark.parametrize('schedule', [False, True])
+def test_a_run_stopped_mid_cycle_is_named_with_what_it_left(
+    schedule, counts, replicas, use_tpu):
+  grad_steps = (lambda updates: tf.constant(K, tf.int64)) if schedule else K
+  kwargs = {'schedule': 'callable'} if schedule and replicas > 1 else {}
+  for micro_steps, left in ((K + 1, 1), (2 * K - 1, K - 1), (2 * K, 0)):
+    trainer = _trainer(
+        replicas, grad_steps=K if kwargs else grad_steps, use_tpu=use_tpu,
+        global_step_counts=counts, **kwargs)
+    warned = _checked(trainer, micro_steps, replicas)
+    if not left:  # stopped on an update: the control
+      assert not warned
+      continue
+    assert len(warned) == 1, warned
+    assert 'stopped mid-cycle' in warned[0]
+    assert 'accumulated %d of its %d micro-batches' % (left, K) in warned[0]
+
+
+def test_two_train_ops_are_each_checked():
+  """Two wrappers' train ops: each one's place and writes are its own."""
+  graph = tf.Graph()
+  with graph.as_default():
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    a = tf.compat.v1.get_variable('a', [2], initializer=tf.ones_initializer())
+    b = tf.compat.v1.get_variable('b', [2], initializer=tf.ones_initializer())
+    train_ops = []
+    for variable, grad_steps in ((a, 2), (b, 3)):
+      opt = deferred_grad.GradientAggregationOptimizer(
+          tf.compat.v1.train.GradientDescentOptimizer(0.1), grad_steps)
+      train_ops.append(opt.minimize(
+          tf.reduce_sum(tf.square(variable)), var_list=[variable],
+          global_step=global_step if grad_steps == 2 else None))
+    ema = tf.compat.v1.train.ExponentialMovingAverage(0.9)
+    with tf.control_dependencies([train_ops[1]]):
+      train_ops[1] = ema.apply([b])
+    with logged('PortCheckHook') as warned:
+      hook = deferred_grad.PortCheckHook()
+      hook.begin()
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(4):  # a's 2 cycles end; b is 1 into its second
+          session.run(train_ops)
+        hook.end(session)
+  assert len(warned) == 2, warned
+  assert 'b/ExponentialMovingAverage' in warned[0]
+  assert 'a/' not in warned[0]
+  assert 'accumulated 1 of its 3 micro-batches' in warned[1]
+
+
+def test_in_a_monitored_training_session_at_its_step_limit():
+  """The hook's end runs as MonitoredTrainingSession closes: a StopAtStepHook
+  limit of micro-steps not a multiple of K stops mid-cycle."""
+  x, y = models.make_data(1, models.MICRO_BATCH)
+  for last_step, left in ((2 * K + 1, 1), (2 * K, 0)):
+    trainer = Trainer(SGD, K, step_tensor=None)
+    with trainer.graph.as_default(), logged('PortCheckHook') as warned:
+      with tf.compat.v1.train.MonitoredTrainingSession(hooks=[
+          tf.compat.v1.train.StopAtStepHook(last_step=last_step),
+          deferred_grad.PortCheckHook()]) as session:
+        while not session.should_stop():
+          session.run(trainer.train_op, dict(zip(trainer.inputs,
+                                                 (x[0], y[0]))))
+    if left:
+      assert len(warned) == 1, warned
+      assert 'accumulated %d of its %d' % (left, K) in warned[0], warned
+    else:
+      assert not warned
