@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import deferred_grad
+import training
 
 pytestmark = pytest.mark.skipif(
     not hasattr(tf.compat.v1, 'estimator'),
@@ -151,7 +152,10 @@ def test_a_canned_estimator_trains_like_the_large_batch(name, as_callable,
                                                         tmp_path):
   expected = _model_variables(_bare(name, tmp_path / 'bare'))
   estimator = _estimator(name, tmp_path / 'wrapped', GRAD_STEPS, as_callable)
-  estimator.train(_input_fn(MICRO_BATCH), max_steps=CYCLES * GRAD_STEPS)
+  with training.logged('PortCheckHook') as warned:  # a head's train op
+    estimator.train(_input_fn(MICRO_BATCH), max_steps=CYCLES * GRAD_STEPS,
+                    hooks=[deferred_grad.PortCheckHook()])
+  assert not warned
   assert estimator.get_variable_value('global_step') == CYCLES * GRAD_STEPS
   names = estimator.get_variable_names()
   # Every table is partitioned: its list of rows is one per partition.

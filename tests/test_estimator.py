@@ -260,11 +260,17 @@ def test_estimator_mirrored_strategy_resumes_mid_cycle(tmp_path):
     return _estimator(model_dir, GRAD_STEPS, train_distribute=strategy)
 
   uninterrupted = mirrored(str(tmp_path / 'whole'))
-  uninterrupted.train(_input_fn(examples, models.MICRO_BATCH),
-                      max_steps=total)
+  with training.logged('PortCheckHook') as warned:
+    uninterrupted.train(_input_fn(examples, models.MICRO_BATCH),
+                        max_steps=total, hooks=[deferred_grad.PortCheckHook()])
+  assert not warned
   model_dir = str(tmp_path / 'resumed')
-  mirrored(model_dir).train(_input_fn(examples, models.MICRO_BATCH),
-                            max_steps=stop)
+  with training.logged('PortCheckHook') as warned:
+    mirrored(model_dir).train(_input_fn(examples, models.MICRO_BATCH),
+                              max_steps=stop,
+                              hooks=[deferred_grad.PortCheckHook()])
+  assert len(warned) == 1 and 'accumulated 1 of its %d' % GRAD_STEPS in (
+      warned[0]), warned
   second = mirrored(model_dir)
   # Each micro-step takes one micro-batch per replica.
   second.train(_input_fn(examples, models.MICRO_BATCH,

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 import deferred_grad
 import scripts
+import training
 
 WORKERS, PS = 3, 2
 K = 4
@@ -181,7 +182,8 @@ class _AbortOnce(tf.compat.v1.train.SessionRunHook):
 
 def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
            policy=None, poison=-1, weighted=False, abort_at=None,
-           grad_steps=K, counts='micro_steps'):
+           grad_steps=K, counts='micro_steps', port_check=False,
+           micro_batches=MICRO_BATCHES):
   """Trains `workers` threads; returns the final state seen from the ps.
 
   Returns:
@@ -209,6 +211,8 @@ def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
           hooks = [sessions[task]]
           if abort_at and task == 1:
             hooks.append(_AbortOnce(abort_at))
+          if port_check:
+            hooks.append(deferred_grad.PortCheckHook())
           session = tf.compat.v1.train.MonitoredTrainingSession(
               master=target, is_chief=task == 0, config=_session_config(),
               hooks=hooks,
@@ -225,7 +229,7 @@ def _train(cluster, workers, ps_tasks, use_tpu, monitored, table=False,
         if task == 0:
           initialized.set()
         with session:
-          for j in range(MICRO_BATCHES):
+          for j in range(micro_batches):
             session.run(built['train_op'],
                         {built['index']: task * MICRO_BATCHES + j})
     except Exception as e:  # pylint: disable=broad-except
@@ -311,14 +315,26 @@ def _check(updates, state, workers, table=False, skipped_block=None,
 def test_each_worker_applies_its_own_micro_batches(cluster, use_tpu,
                                                    ps_tasks, monitored):
   for _ in range(REPEATS):
-    updates, state, local_variables, recovered = _train(
-        cluster, 2, ps_tasks, use_tpu, monitored)
+    with training.logged('PortCheckHook') as warned:
+      updates, state, local_variables, recovered = _train(
+          cluster, 2, ps_tasks, use_tpu, monitored, port_check=monitored)
     _check(updates, state, 2, recovered=recovered)
+    assert not warned  # whole cycles, nothing after the train op
   # The state is the worker's own, and not saved by the chief.
   for task, variables in local_variables.items():
     assert variables
     for variable in variables:
       assert variable.device.endswith('/job:worker/task:%d' % task)
+
+
+def test_the_port_check_names_each_worker_stopped_mid_cycle(cluster,
+                                                            use_tpu):
+  with training.logged('PortCheckHook') as warned:
+    _train(cluster, 2, 1, use_tpu, True, port_check=True,
+           micro_batches=K + 1)
+  assert len(warned) == 2, warned  # each worker's own cycle
+  for message in warned:
+    assert 'accumulated 1 of its %d micro-batches' % K in message, warned
 
 
 def test_a_recovered_session_drops_only_its_partial_cycle(cluster, use_tpu):

@@ -65,14 +65,17 @@ def _checked(trainer, micro_steps, replicas=1):
 
 @WHERE
 @pytest.mark.parametrize('after', ['once_per_update', 'moving_average',
-                                   'increment'])
+                                   'increment', 'the_only_increment'])
 def test_what_writes_after_the_train_op_every_micro_step_is_named(
     after, replicas, use_tpu):
+  """'the_only_increment': the wrapper gets no global_step and the script
+  counts it after the train op (as a canned DNNLinearCombined head does)."""
   trainer = _trainer(replicas, grad_steps=K, use_tpu=use_tpu,
+                     use_global_step=after != 'the_only_increment',
                      after_minimize=_after(after))
   # A whole cycle; the increment's second micro-step fails (test_counting).
   warned = _checked(trainer, 1 if after == 'increment' else K, replicas)
-  if after == 'once_per_update':
+  if after in ('once_per_update', 'the_only_increment'):
     assert not warned
     return
   writes = [m for m in warned if 'on every micro-step' in m]
