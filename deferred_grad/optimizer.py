@@ -557,8 +557,11 @@ class GradientAggregationOptimizer(tf.compat.v1.train.Optimizer):
                                          read.whole)
       gradients = [_map_values(g, lambda x, v=v: tf.cast(x, v.dtype.base_dtype))
                    for g, v in zip(gradients, part.var_list)]
+      graph = tf.compat.v1.get_default_graph()
+      before = {op.name for op in graph.get_operations()}
       done = self._opt.apply_gradients(list(zip(gradients, part.var_list)))
-      records.check_schedule_reads(done, part.record, self._grad_steps)
+      made = {op.name for op in graph.get_operations()} - before
+      records.check_schedule_reads(done, part.record, self._grad_steps, made)
     resets = []
     if part.record.counts:
       with tf.control_dependencies([done]):

@@ -661,7 +661,7 @@ def applied_updates(global_step, grad_steps, name=None):
 
 
 
-def check_schedule_reads(op, record, grad_steps):
+def check_schedule_reads(op, record, grad_steps, made):
   """Checks what the wrapped optimizer's update `op` reads as its step.
 
   Counting micro-steps, a raw `global_step` read gets a warning; counting
@@ -671,6 +671,7 @@ def check_schedule_reads(op, record, grad_steps):
     op: the op the wrapped optimizer's `apply_gradients` returned.
     record: the train op's `Record`.
     grad_steps: the wrapper's `grad_steps`, for the messages.
+    made: the names of the ops its `apply_gradients` made.
 
   Raises:
     ValueError: counting updates, `op` reads `applied_updates`.
@@ -681,7 +682,7 @@ def check_schedule_reads(op, record, grad_steps):
   divided = [t.op.name for t in step.graph.get_collection(_UPDATES_TENSORS)
              if _reads(t.op, {step.op.name}, set(), step.graph)]
   if record.counts_updates:
-    found = _reads(op, set(divided), set(), step.graph)
+    found = _reads(op, set(divided), set(), step.graph, made)
     if found is not None:
       raise ValueError(
           'The wrapped optimizer reads deferred_grad.applied_updates(%s, '
@@ -696,7 +697,7 @@ def check_schedule_reads(op, record, grad_steps):
   allowed = set(divided)
   if tf.is_tensor(record.position.updates):
     allowed.add(record.position.updates.op.name)
-  found = _reads(op, {step.op.name}, allowed, step.graph)
+  found = _reads(op, {step.op.name}, allowed, step.graph, made)
   if found is not None:
     warned.append(step.name)
     tf.compat.v1.logging.warning(
@@ -710,10 +711,12 @@ def check_schedule_reads(op, record, grad_steps):
         else 'grad_steps')
 
 
-def _reads(op, targets, stops, graph):
+def _reads(op, targets, stops, graph, made=()):
   """Returns the name of the op through which `op` reads an op in `targets`,
-  or None. Walks inputs back, not past `stops`: into v2 captures and `op`'s
-  grouping NoOps, not into a v1 cond's predicate.
+  or None. Walks inputs back, not past `stops`: into v2 captures and the
+  ops grouped by NoOps that are in `made` (an optimizer's groups of its
+  updates, BERT's `tf.group(*assignments)` too), not into a v1 cond's
+  predicate.
   """
   seen, pending = set(), [op]
   while pending and len(seen) < 100000:
@@ -724,10 +727,9 @@ def _reads(op, targets, stops, graph):
     if current.type in ('Switch', 'RefSwitch'):
       inputs = inputs[:1]  # not the cond's predicate (the cycle's end)
     if current.type == 'NoOp':  # a group of the optimizer's updates, not
-      # the orderings a v1 cond gives every op of its branch
+      # the orderings a v1 cond or the wrapper gives every op it makes
       grouped = [c for c in current.control_inputs
-                 if c.name.startswith(op.name + '/') and
-                 (c.graph, c.name) not in seen]
+                 if c.name in made and (c.graph, c.name) not in seen]
       pending.extend(grouped)
       seen.update((c.graph, c.name) for c in grouped)
     for tensor in inputs:

@@ -9,6 +9,7 @@ bare job, run on the same examples.
 """
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -340,7 +341,8 @@ def _warnings(build):
   return [m for m in logged if any(w in m for w in scripts.PORTING_WARNINGS)]
 
 
-def _schedule_on(kind, use_tpu, global_step_counts='micro_steps'):
+def _schedule_on(kind, use_tpu, global_step_counts='micro_steps',
+                 optimizer=tf.compat.v1.train.AdamOptimizer):
   def build():
     w = tf.compat.v1.get_variable('w', [2])
     global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -356,7 +358,7 @@ def _schedule_on(kind, use_tpu, global_step_counts='micro_steps'):
     if kind != 'method':
       learning_rate = learning_rate()
     wrapper.append(deferred_grad.GradientAggregationOptimizer(
-        tf.compat.v1.train.AdamOptimizer(learning_rate), K, use_tpu=use_tpu,
+        optimizer(learning_rate), K, use_tpu=use_tpu,
         global_step_counts=global_step_counts))
     wrapper[0].minimize(tf.reduce_sum(w * w), global_step=global_step)
   return build
@@ -372,6 +374,17 @@ def test_a_schedule_on_the_raw_micro_step_global_step_is_warned(use_tpu):
 @pytest.mark.parametrize('kind', ['applied_updates', 'method'])
 def test_a_schedule_on_the_updates_is_not_warned(use_tpu, kind):
   assert not _warnings(_schedule_on(kind, use_tpu))
+
+
+@pytest.mark.parametrize('kind', ['raw', 'applied_updates'])  # no callable
+def test_an_update_grouping_its_assignments_is_searched(use_tpu, kind):
+  """BERT's optimizer returns tf.group(*assignments), named outside its
+  scope: its schedule is found through the group."""
+  sys.path.insert(0, os.path.join(scripts.TOOLS, 'examples'))
+  from bert_optimization import AdamWeightDecayOptimizer  # pylint: disable=g-import-not-at-top
+  warned = _warnings(_schedule_on(kind, use_tpu,
+                                  optimizer=AdamWeightDecayOptimizer))
+  assert len(warned) == (kind == 'raw'), warned
 
 
 def test_a_raw_schedule_counting_updates_is_not_warned(use_tpu):

@@ -222,7 +222,7 @@ def _image_model_fn(features, labels, mode, params):
   if port:
     optimizer = deferred_grad.GradientAggregationOptimizer(
         optimizer, port, use_tpu=params['use_tpu'],
-        global_step_counts='updates')
+        global_step_counts=params['counts'])
   train_op = optimizer.minimize(loss, global_step)
   ema = tf.compat.v1.train.ExponentialMovingAverage(0.9,
                                                     num_updates=global_step)
@@ -238,14 +238,15 @@ def _image_model_fn(features, labels, mode, params):
 
 
 def _image(directory, port, iterations_per_loop, use_tpu=False,
-           skip_once_per_update=False):
+           skip_once_per_update=False, counts='updates'):
   recorder = _Recorder()
   tpu = tf.compat.v1.estimator.tpu
   estimator = tpu.TPUEstimator(
       _image_model_fn, use_tpu=False,
       train_batch_size=MICRO if port else LARGE,
       params={'port': port, 'use_tpu': use_tpu,
-              'skip_once_per_update': skip_once_per_update},
+              'skip_once_per_update': skip_once_per_update,
+              'counts': counts},
       config=tpu.RunConfig(
           model_dir=directory, save_checkpoints_steps=2,
           keep_checkpoint_max=3, save_summary_steps=None,
@@ -284,7 +285,7 @@ def test_a_moving_average_left_after_the_train_op_is_named_by_the_port_check(
 
 # ------------------------------------------------- TF-Slim Supervisor-style --
 
-def _slim(directory, port):
+def _slim(directory, port, counts='updates'):
   """train_image_classifier's loop: Supervisor, number_of_steps, a decay
   derived from the batch-size setting (`LARGE`)."""
   recorder = _Recorder()
@@ -300,7 +301,7 @@ def _slim(directory, port):
     optimizer = tf.compat.v1.train.MomentumOptimizer(learning_rate, 0.9)
     if port:
       optimizer = deferred_grad.GradientAggregationOptimizer(
-          optimizer, port, global_step_counts='updates')
+          optimizer, port, global_step_counts=counts)
     train_op = optimizer.minimize(loss, global_step)
     recorder.begin()
     port_check = deferred_grad.PortCheckHook()
@@ -327,3 +328,28 @@ def test_a_slim_style_supervisor_loop_trains_as_the_large_batch(tmp_path):
   bare = _slim(str(tmp_path / 'bare'), None)
   assert any('Momentum' in n for n in bare['variables'])
   _assert_same(port, bare)
+
+
+# ------------------------------------------- the option skipped, warned --
+
+@pytest.mark.parametrize('script', [
+    pytest.param('bert', marks=needs_estimator),
+    pytest.param('image', marks=needs_estimator), 'slim'])
+def test_each_script_ported_without_the_option_is_warned(tmp_path, script):
+  """Without `global_step_counts='updates'`, each script's schedule reads a
+  `global_step` that counts micro-steps (the wrapper names it: BERT's
+  update is a group of assignments, searched too) and its step limit stops
+  mid-cycle (the port check names it). Each message names the option."""
+  directory = str(tmp_path / script)
+  with training.logged('') as logged:
+    if script == 'bert':
+      _bert(directory, K, counts='micro_steps')
+    elif script == 'image':
+      _image(directory, K, 1, counts='micro_steps')
+    else:
+      _slim(directory, K, counts='micro_steps')
+  warned = [m for m in logged if any(w in m for w in scripts.PORTING_WARNINGS)]
+  assert all("global_step_counts='updates'" in m for m in warned), warned
+  assert any('stopped mid-cycle' in m for m in warned), warned
+  assert any('which counts micro-steps: a schedule on it' in m
+             for m in warned), warned
