@@ -780,7 +780,10 @@ class PortCheckHook(tf.compat.v1.train.SessionRunHook):
     train_ops = graph.get_collection(_TRAIN_OPS)
     built = [record for record in (train_ops[0][0] if train_ops else [])
              if record.op_names]
+    # Of train ops built in this graph: one inside a function (XLA's) ends
+    # in the function's graph, whose names mean nothing here.
     ends = {name: record.op_names[0] for record in built
+            if record.position.in_cycle.graph is graph
             for name in record.op_names}
     # A global_step no train op counts is the script's to count (a canned
     # head increments it after its optimizers, as the original asks of a

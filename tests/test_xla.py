@@ -163,3 +163,32 @@ def test_sharding_annotations_reach_the_compiled_hlo(use_tpu, tmp_path):
     shardings += [line.split('sharding=')[1].split('}')[0] + '}'
                   for line in text.splitlines() if 'sharding={' in line]
   assert sorted(shardings) == ['{devices=[1,2]0,1}', '{devices=[2,1]0,1}']
+
+
+def test_the_port_check_names_a_compiled_train_op_stopped_mid_cycle(use_tpu):
+  """The hook reads a compiled train op's cycle; whole cycles: silent."""
+  x, y = models.make_data(1, models.MICRO_BATCH)
+  for micro_steps, left in ((GRAD_STEPS + 1, 1), (2 * GRAD_STEPS, 0)):
+    with tf.Graph().as_default(), training.logged('PortCheckHook') as warned:
+      _, input_specs, loss_fn = models.MODELS['mlp']
+      inputs = [tf.compat.v1.placeholder(dtype, shape)
+                for dtype, shape in input_specs]
+      global_step = tf.compat.v1.train.get_or_create_global_step()
+
+      def step(*step_inputs):
+        loss, _ = loss_fn(*step_inputs)
+        return deferred_grad.GradientAggregationOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(0.1), GRAD_STEPS,
+            use_tpu=use_tpu).minimize(loss, global_step=global_step)
+
+      compiled = xla.compile(step, inputs=inputs)
+      hook = deferred_grad.PortCheckHook()
+      hook.begin()
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(micro_steps):
+          session.run(compiled, dict(zip(inputs, (x[0], y[0]))))
+        hook.end(session)
+    assert len(warned) == bool(left), warned
+    if left:
+      assert 'accumulated 1 of its %d' % GRAD_STEPS in warned[0], warned
