@@ -323,21 +323,8 @@ def test_switching_the_counting_mid_cycle_is_refused(tmp_path):
 
 def _warnings(build):
   """The porting warnings logged while `build()` makes a graph."""
-  import logging  # pylint: disable=g-import-not-at-top
-  logged = []
-
-  class Handler(logging.Handler):
-
-    def emit(self, record):
-      logged.append(record.getMessage())
-
-  handler = Handler()
-  tf.get_logger().addHandler(handler)
-  try:
-    with tf.Graph().as_default():
-      build()
-  finally:
-    tf.get_logger().removeHandler(handler)
+  with training.logged('') as logged, tf.Graph().as_default():
+    build()
   return [m for m in logged if any(w in m for w in scripts.PORTING_WARNINGS)]
 
 
