@@ -16,7 +16,7 @@ from deferred_grad.checkpoints import convert_checkpoint
 from deferred_grad.distribute import collective_barrier
 from deferred_grad.distribute import collective_run_options
 from deferred_grad.optimizer import GradientAggregationOptimizer
-from deferred_grad.records import PortCheckHook
+from deferred_grad.port_checks import PortCheckHook
 from deferred_grad.records import applied_updates
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

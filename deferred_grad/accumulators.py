@@ -17,14 +17,13 @@ import numpy as np
 
 from deferred_grad import compat
 from deferred_grad import distribute
+from deferred_grad import registry
 from deferred_grad import sharding
 
 tf = compat.import_tensorflow()
 
 SLOT_NAME = 'grad_accum'
 SLOT_OP_NAME = 'GradientAccumulator'
-# Which train op (its record) accumulates into a slot: (slot, owner) pairs.
-_OWNERS = ('deferred_grad', 'slot_owners')
 # Up to this size an accumulator is zeroed by assigning it zeros shared by
 # every accumulator of its shape: one op each, and the shared transient is
 # small. Larger ones are zeroed by a scatter, which needs no such buffer.
@@ -82,11 +81,12 @@ def _zero(variable, handle, shared_zeros, in_xla):
     return tf.raw_ops.DisableCopyOnRead(resource=handle)
 
 
-def _divided(values, length):
-  """`values / length`, in their dtype (`length`: an int or an int64)."""
+def reciprocal(length, dtype):
+  """`1 / length` in `dtype` (`length`: an int or an int64 scalar): every
+  accumulator adds its gradient times it."""
   if isinstance(length, int):
-    return values / length
-  return values * tf.math.reciprocal(tf.cast(length, values.dtype))
+    return tf.constant(1.0 / length, dtype)
+  return tf.math.reciprocal(tf.cast(length, dtype))
 
 
 class DenseAccumulator(object):
@@ -110,24 +110,21 @@ class DenseAccumulator(object):
     self._num_partitions = num_partitions
     self._rows = rows
 
-  def add(self, gradient, length, scale):
-    """Returns an op adding `gradient / length` (`scale`: 1/`length`).
+  def add(self, gradient, scale):
+    """Returns an op adding `gradient * scale` (`scale`: 1 / the cycle's
+    length, in the accumulator's dtype).
 
     Unsharded, a dense add is one in-place kernel: SGD with rate -`scale`.
     """
     dtype = self.local.dtype.base_dtype
-    sharded = self._num_partitions is not None
     if self._rows:
-      values = tf.cast(gradient.values, dtype)
-      values = _divided(values, length) if sharded else values * scale
-      return self.local.scatter_add(
-          tf.IndexedSlices(values, gradient.indices)).op
+      return self.local.scatter_add(tf.IndexedSlices(
+          tf.cast(gradient.values, dtype) * scale, gradient.indices)).op
     # (A Tensor converts to itself: no op.)
     value = tf.cast(tf.convert_to_tensor(gradient), dtype)
-    if sharded:
+    if self._num_partitions is not None:
       current = sharding.shard(self.local.read_value(), self._num_partitions)
-      return self.local.assign(current + _divided(value, length),
-                               read_value=False)
+      return self.local.assign(current + value * scale, read_value=False)
     if self._handle is None:
       return tf.raw_ops.ApplyGradientDescent(var=self.local, alpha=-scale,
                                              delta=value).op
@@ -272,17 +269,18 @@ class RowListAccumulator(object):
         is_list, lambda: self._gather(listed, tf.range(1, length + 1)),
         from_dense)
 
-  def rows(self, gradient, length):
-    """The rows looked up (/ `length`), each beside its id: a list's part."""
-    rows = _divided(tf.cast(gradient.values, self._dtype), length)
+  def rows(self, gradient, scale):
+    """The rows looked up (times `scale`), each beside its id: a list's
+    part."""
+    rows = tf.cast(gradient.values, self._dtype) * scale
     return self._pack(tf.cast(tf.reshape(gradient.indices, [-1]), tf.int64),
                       rows)
 
-  def add(self, gradient, length, unused_scale=None):
-    """Appends the rows looked up (/ `length`); shared: see `append`."""
+  def add(self, gradient, scale):
+    """Appends the rows looked up (times `scale`); shared: see `append`."""
     if self.shared:
       return tf.no_op()
-    return self.append([self.rows(gradient, length)])
+    return self.append([self.rows(gradient, scale)])
 
   def append(self, parts):
     """Appends `parts` to the list.
@@ -378,6 +376,8 @@ class Accumulators(object):
   def add(self, gradients, length, finite=None):
     """Adds each `gradient / length` to its accumulator.
 
+    Call it under the micro-step's checks: every write waits for them.
+
     Args:
       gradients: the micro-step's (weighed) gradients, in order.
       length: the cycle's length (an int, or an int64 scalar).
@@ -392,19 +392,21 @@ class Accumulators(object):
       for accumulator, gradient in zip(self._accumulators, gradients):
         dtype = accumulator.local.dtype.base_dtype
         if dtype not in scales:
-          scales[dtype] = (tf.constant(1.0 / length, dtype)
-                           if isinstance(length, int) else
-                           tf.math.reciprocal(tf.cast(length, dtype)))
-        added.append(accumulator.add(gradient, length, scales[dtype]))
+          scales[dtype] = reciprocal(length, dtype)
+        added.append(accumulator.add(gradient, scales[dtype]))
       return tf.group(*added, name='accumulate')
 
-    added = add_all() if finite is None else compat.cond(finite, add_all,
-                                                     tf.no_op)
+    if finite is None:
+      added = add_all()
+    else:  # (an identity: a cond's branches wait for its predicate)
+      finite = tf.identity(finite)
+      added = compat.cond(finite, add_all, tf.no_op)
     shared = {}  # the shared lists' rows: none where `finite` is False
     for index, (accumulator, gradient) in enumerate(
         zip(self._accumulators, gradients)):
       if accumulator.shared:
-        rows = accumulator.rows(gradient, length)
+        rows = accumulator.rows(gradient, reciprocal(
+            length, accumulator.local.dtype.base_dtype))
         if finite is not None:  # a skipped micro-step's: no rows
           rows = rows[:tf.shape(rows)[0] * tf.cast(finite, tf.int32)]
         shared[index] = rows
@@ -474,10 +476,6 @@ class PassThrough(object):
     self._gradients = list(gradients)
     return tf.no_op(), {}
 
-  def append_shared(self, unused):
-    """Nothing is shared. Returns: []."""
-    return []
-
   def read(self):
     """The micro-step's gradients as a `Read`, densified unless `sparse`."""
     gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices)
@@ -494,7 +492,7 @@ class PassThrough(object):
 def _slot_name(opt, variable, owner):
   """(slot name, op name, whether to make it) of `owner`'s `variable` slot:
   each train op gets its own, lest an apply get another's micro-batches."""
-  owners = variable.graph.get_collection(_OWNERS)
+  owners = registry.of(variable.graph).slot_owners
   for n in itertools.count():
     suffix = '_%d' % n if n else ''
     slot = opt.get_slot(variable, SLOT_NAME + suffix)
@@ -526,7 +524,7 @@ def _dense_slot(opt, variable, dtype, owner, local):
         'accumulator_dtype=%s needs variables of known shape; %s has shape '
         '%s.' % (dtype.name, variable.name, variable.shape))
   if made:  # (under a strategy: by the replica that made it)
-    slot.graph.add_to_collection(_OWNERS, (slot, owner))
+    registry.of(slot.graph).slot_owners.append((slot, owner))
     owner.add_state([slot])
   return slot
 

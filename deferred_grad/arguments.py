@@ -390,7 +390,11 @@ def check_replicas(replica_context, use_tpu, method='apply_gradients'):
     ValueError: the TPU path under several replicas.
   """
   strategy = tf.distribute.get_strategy()
-  if 'ParameterServerStrategy' in type(strategy).__name__ and any(
+  parameter_servers = tuple(
+      getattr(module, 'ParameterServerStrategy') for module in (
+          tf.compat.v1.distribute.experimental, tf.distribute.experimental)
+      if hasattr(module, 'ParameterServerStrategy'))
+  if isinstance(strategy, parameter_servers) and any(
       tf.DeviceSpec.from_string(device).job not in (None, 'localhost')
       for device in getattr(strategy.extended, 'parameter_devices', ())):
     # It places every variable, the accumulators and counters included, on

@@ -25,55 +25,189 @@ import time
 
 import numpy as np
 
+from deferred_grad import arguments
 from deferred_grad import compat
+from deferred_grad import registry
 
 tf = compat.import_tensorflow()
 
-# Graph collections of the records. Tuple keys, as TensorFlow's variable
-# store uses: they are never serialized into meta graphs.
-_STATE = ('deferred_grad', 'state')  # (variable, its value afresh or None)
-_ALIASES = ('deferred_grad', 'aliases')  # (variable, its other names)
-_SETTINGS = ('deferred_grad', 'settings')  # (variable, settings, place)
-
-# The flags of a train op's settings (`records._settings_variable`).
+# The flags of a train op's settings (`Settings`).
 WEIGHTED, COUNTS_UPDATES = 1, 2
 
 # What `convert_checkpoint` leaves out: an object-based checkpoint's graph
 # of objects, which names the keys it read from.
 _OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
 
-
-def add_to_state(variables, initial=None):
-  """Records `variables` as part of the wrapper's state in their graph.
-
-  Args:
-    variables: variables of one graph.
-    initial: their fresh value, a numpy array; None: zeros of the variable's
-      shape (its table's, where that is not static).
-  """
-  for variable in variables:
-    state = variable.graph.get_collection_ref(_STATE)
-    if not any(variable is known for known, _ in state):
-      state.append((variable, initial))
+# Why a global_step moved that only the wrapper moves: the end of the
+# message of both checks that can see it (`Settings.check`).
+_OWN_INCREMENT = ('the script increments it beside the wrapper, which '
+                  'counts it already (remove that increment).')
 
 
-def register(record):
-  """Records a train op's state and settings in their graph, once.
+def register(record, graph):
+  """Records a train op's state and settings in `graph`'s registry, once.
 
   Args:
     record: the train op's `records.Record`: its `state` [(variable, value
-      afresh or None)] and `settings_entry`, None or (the int64 vector
-      [grad_steps or 0, flags, policy, place], its first three values
-      here, (the name of the counter the cycle's place is read from, its
-      modulus or None), the name of the train op's `global_step` or None).
+      afresh or None)] and `settings` (a `Settings`, or None).
+    graph: the graph its variables are in.
   """
+  known = registry.of(graph)
   for variable, initial in record.state:
-    add_to_state([variable], initial)
-  if record.settings_entry is not None:
-    variable = record.settings_entry[0]
-    known = variable.graph.get_collection_ref(_SETTINGS)
-    if not any(variable is entry[0] for entry in known):
-      known.append(record.settings_entry)
+    if all(variable is not listed for listed, _ in known.state):
+      known.state.append((variable, initial))
+  settings = record.settings
+  if settings is not None and all(settings is not s for s in known.settings):
+    known.settings.append(settings)
+
+
+class Settings(object):
+  """What a train op's checkpoint says of its partial sums, and its checks.
+
+  The variable `deferred_grad_settings` holds [grad_steps (0: a schedule),
+  flags (`WEIGHTED`, `COUNTS_UPDATES`), nonfinite_policy's index, the place
+  in the cycle the last micro-step left]. A run whose restored cycle cannot
+  continue fails (`check`). Counting updates with a `global_step`,
+  `deferred_grad_global_step` holds the value the last micro-step left it
+  at, so that a script's own increment fails the next micro-step.
+
+  Args:
+    values: [grad_steps or 0, flags, policy index], ints.
+    counter: the variable the cycle's place is read from (or None), and its
+      modulus (an int grad_steps) or None.
+    global_step: the train op's `global_step`, or None.
+
+  Attributes:
+    variable: the settings variable.
+    values: `values`.
+    state: [(variable, value afresh)] of what a checkpoint must hold beside
+      the settings.
+    step_read: the global_step value a run found, once `check` is built
+      counting updates (else None).
+  """
+
+  def __init__(self, values, counter, global_step):
+    self.values = list(values)
+    self.global_step = global_step
+    self.step_left = None
+    self.state = []
+    if values[1] & COUNTS_UPDATES and global_step is not None:
+      self.step_left = tf.compat.v1.Variable(
+          lambda: tf.constant(-1, tf.int64), name='deferred_grad_global_step',
+          trainable=False,
+          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+      self.state.append((self.step_left, np.array(-1, np.int64)))
+    self.variable = tf.compat.v1.Variable(
+        lambda: tf.constant(self.values + [0], tf.int64),
+        name='deferred_grad_settings', trainable=False,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    # Where a checkpoint without settings (the original's) has its place.
+    variable, self.modulo = counter
+    self.counter_name = variable.name.split(':')[0]
+    self.step_name = (None if global_step is None else
+                      global_step.name.split(':')[0])
+    self.step_read = None
+
+  def variables(self):
+    """The settings variable, and the step left where counting updates."""
+    return [v for v in (self.variable, self.step_left) if v is not None]
+
+  def check(self, position):
+    """Returns the Asserts that fail a run whose state cannot continue.
+
+    Args:
+      position: the run's `cycles.Position`, read under its lock.
+
+    Returns:
+      A list of ops.
+    """
+    checks = [self._continues(position)]
+    if self.step_left is not None:
+      # The global_step this run found: an int cycle has read it as its
+      # updates; a schedule counts its own, so it is read here, a value of
+      # its own (a ref variable's read may alias the buffer this run's
+      # increment changes in place).
+      step_read = self.step_read = (
+          position.updates if self.modulo else tf.math.floordiv(
+              tf.cast(self.global_step.read_value(), tf.int64), 1))
+      left = self.step_left.read_value()
+      checks.append(tf.debugging.Assert(
+          tf.logical_or(tf.equal(left, -1), tf.equal(left, step_read)), [
+              'GradientAggregationOptimizer: %s counts updates '
+              '(global_step_counts=updates), and the wrapper alone adds to '
+              'it, once per cycle ended; it left' % self.global_step.op.name,
+              tf.cast(left, tf.int32), 'and this run found',
+              tf.cast(step_read, tf.int32),
+              '. Something else moved it: ' + _OWN_INCREMENT]))
+    return checks
+
+  def advance(self, position, advanced):
+    """Records what this micro-step leaves: the place, and the step.
+
+    Args:
+      position: the run's `cycles.Position`.
+      advanced: the op that counts the micro-step.
+
+    Returns:
+      `advanced` grouped with the settings' writes.
+    """
+    place = tf.where(position.is_end, tf.constant(0, tf.int64),
+                     position.in_cycle + 1)
+    advanced = tf.group(advanced, self.variable.assign(
+        tf.stack([tf.constant(v, tf.int64) for v in self.values] + [place]),
+        read_value=False))
+    if self.step_read is not None:  # what the script's next run must find
+      advanced = tf.group(advanced, self.step_left.assign(
+          self.step_read + tf.cast(position.is_end, tf.int64),
+          read_value=False))
+    return advanced
+
+  def _continues(self, position):
+    """An Assert failing a run whose restored cycle cannot continue: saved
+    mid-cycle under other settings, or mid-cycle without partial sums."""
+    values = self.values
+    # Copied (stacked), as in `cycles.Schedule.read`: a ref variable's read
+    # may alias the buffer another run's write changes in place. int32 and
+    # strings: an Assert of them needs no cond around it.
+    saved = tf.cast(tf.stack(tf.unstack(self.variable.read_value(), 4)),
+                    tf.int32)
+    place = tf.cast(position.in_cycle, tf.int32)
+    # The same grad_steps; weights and a policy kept (the sums do not
+    # depend on the policy's kind; counts it lacks would start the cycle
+    # afresh); the place it left.
+    flags = saved[1]
+    kept = [tf.equal(saved[0], values[0]), tf.equal(saved[3], place)]
+    if not values[1] & WEIGHTED:
+      kept.append(tf.equal(tf.bitwise.bitwise_and(flags, WEIGHTED), 0))
+    if not values[2]:
+      kept.append(tf.equal(saved[2], 0))
+    continues = tf.reduce_all(tf.stack(kept))
+    afresh = tf.logical_and(tf.equal(saved[3], 0), tf.equal(place, 0))
+    # What global_step counts, at any place (`convert_checkpoint` converts).
+    same_count = tf.equal(tf.bitwise.bitwise_and(flags, COUNTS_UPDATES),
+                          values[1] & COUNTS_UPDATES)
+    policy = arguments.NONFINITE_POLICIES[values[2]]
+    here = '%s, %s, nonfinite_policy=%r, global_step_counts=%r' % (
+        'grad_steps=%d' % values[0] if values[0] else 'grad_steps a schedule',
+        'a micro_batch_weight' if values[1] & WEIGHTED else
+        'micro_batch_weight=None', policy,
+        'updates' if values[1] & COUNTS_UPDATES else 'micro_steps')
+    return tf.debugging.Assert(tf.logical_and(
+        same_count, tf.logical_or(continues, afresh)), [
+            'GradientAggregationOptimizer: the cycle of the restored '
+            'checkpoint does not continue in this train op (%s): its partial '
+            'sums would be applied wrongly. It was saved with [grad_steps (0: '
+            'a schedule), flags (1: a micro_batch_weight, 2: '
+            'global_step_counts=\'updates\'), nonfinite_policy (0: None, 1: '
+            'skip_micro_batch, 2: skip_cycle), micro-steps of its cycle '
+            'done] =' % here, saved,
+            '; here its counter places this run at micro-step', place,
+            '. Restore it with the settings it was saved with and change them '
+            'after the last micro-step of a cycle; a new int grad_steps needs '
+            'a global_step that is a multiple of it (or give grad_steps as '
+            'tf.constant(n)); another global_step_counts needs '
+            'deferred_grad.convert_checkpoint. Without a restore, something '
+            'else moved global_step: ' + _OWN_INCREMENT], summarize=4)
 
 
 def create_wrapped_slots(opt, var_list, scopes, wrapper):
@@ -104,7 +238,7 @@ def create_wrapped_slots(opt, var_list, scopes, wrapper):
       # Without the wrapper; inside its v2 branch; inside its v1 branch.
       names = [n for n in (caller + base, base, caller + 'cond/' + base)
                if n != name]
-      variable.graph.add_to_collection(_ALIASES, (variable, names))
+      registry.of(variable.graph).aliases.append((variable, names))
 
 
 def scopes(in_cond):
@@ -128,6 +262,52 @@ def scopes(in_cond):
   if tf.compat.v1.control_flow_v2_enabled():
     return '', caller
   return graph.unique_name('cond', mark_as_used=False) + '/', caller
+
+
+# ------------------------------------------------ object-based checkpoints --
+
+class ObjectCheckpoints(object):
+  """The wrapper's part in object-based checkpoints (a mixin).
+
+  `tf.train.Checkpoint` and Keras's `save_weights` see the wrapped
+  optimizer's variables and slots as the wrapper's, so that checkpoints
+  restore both ways with a bare optimizer; the wrapper's counters sit beside
+  them. The class it mixes into holds the wrapped optimizer as `_opt`.
+  """
+
+  def _own_children(self):
+    """{name: variable}: this graph's counters of the wrapper's train ops."""
+    return {v.op.name: v
+            for record in registry.records_of(self, compat.outermost_graph())
+            for v in record.counters}
+
+  # pylint: disable=protected-access
+  def _trackable_children(self, save_type='checkpoint', **kwargs):
+    children = dict(self._opt._trackable_children(save_type, **kwargs))
+    children.update(self._own_children())
+    return children
+
+  def _lookup_dependency(self, name, cached_dependencies=None):
+    found = self._opt._lookup_dependency(name, cached_dependencies)
+    return found if found is not None else self._own_children().get(name)
+
+  def _create_or_restore_slot_variable(self, slot_variable_position,
+                                       slot_name, variable):
+    self._opt._create_or_restore_slot_variable(slot_variable_position,
+                                               slot_name, variable)
+  # pylint: enable=protected-access
+
+  @tf.autograph.experimental.do_not_convert
+  def variables(self):
+    """The wrapped optimizer's and the wrapper's variables (this graph's).
+
+    Returns:
+      The wrapped optimizer's non-slot variables and each train op's counters
+      and tables' lists of rows in this graph, sorted by name.
+    """
+    own = [v for record in registry.records_of(self, compat.outermost_graph())
+           for v in record.variables()]
+    return sorted(list(self._opt.variables()) + own, key=lambda v: v.name)
 
 
 # ------------------------------------------------------------ conversion --
@@ -310,11 +490,11 @@ def converted_values(path, var_list=None):
   None where this graph's savers restore it as it is."""
   reader = tf.train.load_checkpoint(path)
   shapes = reader.get_variable_to_shape_map()
-  graph = tf.compat.v1.get_default_graph()
-  state = {_key(v): (v, initial) for v, initial in graph.get_collection(_STATE)}
-  settings = {_key(v): (values, place, step)
-              for v, values, place, step in graph.get_collection(_SETTINGS)}
-  aliases = {_key(v): names for v, names in graph.get_collection(_ALIASES)}
+  known = registry.of(tf.compat.v1.get_default_graph())
+  state = {_key(v): (v, initial) for v, initial in known.state}
+  settings = {_key(s.variable): (s.values, (s.counter_name, s.modulo),
+                                 s.step_name) for s in known.settings}
+  aliases = {_key(v): names for v, names in known.aliases}
   targets = _targets(var_list)
   parts = {}  # {a part's name: (its whole's key, its first row, its rows)}
   for key, variable in targets:
@@ -424,7 +604,7 @@ def _value(key, variable, state, reader, shapes, aliases, parts):
 
 
 def _afresh(key, variable, initial, shapes):
-  """A state variable's value afresh (see `add_to_state`)."""
+  """A state variable's value afresh (see `register`)."""
   if initial is not None:
     return initial
   dtype = variable.dtype.base_dtype.as_numpy_dtype

@@ -9,6 +9,8 @@ import re
 import types
 import warnings
 
+from deferred_grad import registry
+
 MIN_TF_VERSION = (2, 15)
 MAX_TESTED_TF_VERSION = (2, 21)
 TESTED_TF_RANGE = '2.15 to 2.21'
@@ -50,82 +52,50 @@ def import_tensorflow():
 
 tf = import_tensorflow()
 
-# Every private TensorFlow name the package uses: an attribute beginning
-# with `_` on an object it did not define (or a method of TensorFlow's it
-# overrides), a `tensorflow.python` import, a raw op, and private strings
-# TensorFlow reads. {name: (where, why; "the original's" where the original
-# module used it too)}, read-only.
+# Every private TensorFlow name the package uses, one line each: {name:
+# (where, why)}; "the original's" where the original module used it too.
+# Private: an attribute beginning with `_` on an object the package did not
+# define (or a method of TensorFlow's it overrides), an undocumented
+# attribute of TensorFlow's internal classes, a `tensorflow.` import, a raw
+# op, and a private string TensorFlow reads. tests/test_private_names.py
+# finds each in the syntax tree.
+# pylint: disable=line-too-long
 PRIVATE_NAMES = types.MappingProxyType({
-    # The wrapped optimizer's slot and non-slot machinery, the subclass API
-    # every tf.compat.v1.train.Optimizer is built on.
-    '_name': ('optimizer', "the original's: the optimizer's default name "
-              'scope, as every tf.compat.v1.train.Optimizer keeps it'),
-    '_create_slots': ('checkpoints', "the original's: the wrapped "
-                      "optimizer's slots and non-slot variables, made "
-                      'before its apply step (made inside the cond, they '
-                      'could not be initialized)'),
-    '_zeros_slot': ('accumulators', "the original's: an accumulator of a "
-                    'variable of unknown static shape, as a slot'),
-    '_get_or_make_slot_with_initializer': (
-        'accumulators', 'an accumulator as a slot, zeros made at run time '
-        '(no constant as large as the variable in the graph)'),
-    '_restore_slot_variable': (
-        'accumulators', "a table's list of rows restored from an "
-        'object-based checkpoint made before it'),
-    '_non_slot_dict': ('checkpoints', "the wrapped optimizer's non-slot "
-                       "variables (Adam's powers) and their keys, to give "
-                       'their names in other graphs to convert_checkpoint'),
-    # Object-based checkpoints (tf.train.Checkpoint, Keras save_weights):
-    # the wrapper shows the wrapped optimizer's state as its own.
-    '_handle_deferred_dependencies': (
-        'optimizer, checkpoints', 'a counter or non-slot variable restored '
-        'from an object-based checkpoint before it was made'),
-    '_trackable_children': ('optimizer', 'override: the wrapped '
-                            "optimizer's children and the wrapper's "
-                            'counters'),
-    '_lookup_dependency': ('optimizer', 'override: finds them by name'),
-    '_create_or_restore_slot_variable': (
-        'optimizer', "override: slots restore into the wrapped optimizer's"),
+    # The tf.compat.v1.train.Optimizer subclass API (slots, non-slot variables).
+    '_create_slots': ('checkpoints', "the original's: the wrapped optimizer's slots, made outside the apply step's cond"),
+    '_zeros_slot': ('accumulators', "the original's: an accumulator of a variable of unknown static shape"),
+    '_get_or_make_slot_with_initializer': ('accumulators', 'an accumulator slot in accumulator_dtype, zeros made at run time'),
+    '_restore_slot_variable': ('accumulators', "a table's list of rows restored from an object-based checkpoint"),
+    '_non_slot_dict': ('checkpoints', "the wrapped optimizer's non-slot variables and keys, for their names under other settings"),
+    # Object-based checkpoints: the wrapper shows the wrapped optimizer's state as its own.
+    '_handle_deferred_dependencies': ('optimizer, checkpoints', 'a counter or non-slot variable restored before it was made'),
+    '_trackable_children': ('checkpoints', "override: the wrapped optimizer's children and the wrapper's counters"),
+    '_lookup_dependency': ('checkpoints', 'override: finds them by name'),
+    '_create_or_restore_slot_variable': ('checkpoints', "override: slots restore into the wrapped optimizer's"),
     # Graph building.
-    '_get_control_flow_context': (
-        'compat', 'inside an XLA computation only compilable ops may be '
-        'made (no mutex, no Assert): no public test for it'),
-    '_set_attr': ('compat', 'sets `_lower_using_switch_merge` below'),
-    '_lower_using_switch_merge': (
-        'compat', 'an If unlowered runs only its taken branch: 5-11% faster '
-        'cycles measured (CHANGELOG); without it, slower and the same'),
-    'tensorflow.python.training': (
-        'compat', 'GLOBAL_STEP_READ_KEY, the collection hooks read the '
-        'global step from: under MultiWorkerMirroredStrategy the default '
-        'read runs a collective on every fetch and hooks hang the workers'),
-    'tensorflow.python.compiler.xla.experimental': (
-        'compat', "the original's XLA sharding helper, where TensorFlow "
-        'moved it'),
-    'tensorflow.compiler.xla.experimental.xla_sharding': (
-        'compat', "the original's import of the same helper"),
-    '_CHECKPOINTABLE_OBJECT_GRAPH': (
-        'checkpoints', 'the key of the object graph in a checkpoint, left '
-        'out of a converted copy (it names keys that change)'),
+    '_get_control_flow_context': ('compat', 'in_xla_context: no public test for an XLA computation (no mutex or Assert there)'),
+    'IsXLAContext': ('compat', 'in_xla_context: the control flow context that is XLA'),
+    'outer_context': ('compat', 'in_xla_context: the contexts around it'),
+    'outer_graph': ('compat', 'the graph around a function graph (XLA, a v2 cond branch)'),
+    'captures': ('compat, port_checks', "a function graph's captured tensors: a cond's resources, a read through a branch"),
+    '_set_attr': ('compat', 'sets `_lower_using_switch_merge`'),
+    '_lower_using_switch_merge': ('compat', 'an unlowered If runs only its taken branch: 5-11% faster cycles (CHANGELOG)'),
+    'tensorflow.python.training': ('compat', 'GLOBAL_STEP_READ_KEY: a plain global_step read for hooks under MultiWorkerMirroredStrategy'),
+    'tensorflow.python.compiler.xla.experimental': ('compat', "the original's XLA sharding helper, where TensorFlow moved it"),
+    'tensorflow.compiler.xla.experimental.xla_sharding': ('compat', "the original's import of the same helper"),
+    '_CHECKPOINTABLE_OBJECT_GRAPH': ('checkpoints', 'the object graph key, left out of a converted copy'),
     # Raw ops: no public function makes these.
-    'Empty': ('accumulators', 'zeros made at run time, not a constant as '
-              'large as the variable'),
-    'VariableShape': ('accumulators', "a resource variable's shape without "
-                      'reading (copying) its value'),
-    'DisableCopyOnRead': ('accumulators', 'after a scatter reset, dense '
-                          'reads stop copying the accumulator'),
-    'ApplyGradientDescent': ('accumulators', 'an in-place add of a scaled '
-                             'gradient to a ref variable, one kernel'),
-    'ResourceApplyGradientDescent': ('accumulators', 'the same for a '
-                                     'resource variable'),
-    'MutexV2': ('records', "a train op's run lock, held for the whole "
-                'run (tf.CriticalSection holds one around the ops of one '
-                'function only)'),
+    'Empty': ('accumulators', 'zeros made at run time, not a constant as large as the variable'),
+    'VariableShape': ('accumulators', "a resource variable's shape without copying its value"),
+    'DisableCopyOnRead': ('accumulators', 'after a scatter reset, reads stop copying the accumulator'),
+    'ApplyGradientDescent': ('accumulators', 'a scaled gradient added in place to a ref variable, one kernel'),
+    'ResourceApplyGradientDescent': ('accumulators', 'the same for a resource variable'),
+    'MutexV2': ('records', "a train op's run lock, held for the whole run (tf.CriticalSection: one function)"),
     'MutexLock': ('records', 'takes the lock before the cycle is read'),
-    'ConsumeMutexLock': ('records', 'releases it once the micro-step is '
-                         'counted'),
-    'SaveV2': ('checkpoints', "convert_checkpoint writes its copy: "
-               'tf.train.Checkpoint writes objects, not these names'),
+    'ConsumeMutexLock': ('records', 'releases it once the micro-step is counted'),
+    'SaveV2': ('checkpoints', 'writes a converted copy from values (a Saver would hold a second copy of each)'),
 })
+# pylint: enable=line-too-long
 
 
 def keras_major_version():
@@ -198,6 +168,14 @@ def cond(pred, true_fn, false_fn):
       except (AttributeError, TypeError, ValueError):
         pass  # a TensorFlow without it: lowered, slower, right
   return result
+
+
+def outermost_graph():
+  """The default graph, or the outermost graph around a function graph."""
+  graph = tf.compat.v1.get_default_graph()
+  while getattr(graph, 'outer_graph', None) is not None:
+    graph = graph.outer_graph
+  return graph
 
 
 def handles(variables):
@@ -288,11 +266,12 @@ def plain_global_step_read(global_step):
     return
   graph = tf.compat.v1.get_default_graph()
   cached = graph.get_collection_ref(key)
-  reads = graph.get_collection_ref(('deferred_grad', 'plain_reads'))
-  if cached and reads and cached[0] is reads[0]:
+  known = registry.of(graph)
+  if cached and known.plain_read is not None and cached[0] is known.plain_read:
     return
   # An absolute name scope (ending in '/'): the variable's, not the caller's.
   with tf.init_scope(), graph.name_scope(global_step.op.name + '/'):
     read_value = tf.identity(
         replica_components([global_step])[0].read_value(), name='plain_read')
-  reads[:] = cached[:] = [read_value]
+  known.plain_read = read_value
+  cached[:] = [read_value]

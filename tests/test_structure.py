@@ -5,7 +5,7 @@ from one to another (the algorithm reads top to bottom in optimizer.py,
 its mechanics one call away): a dense model, an embedding table, and both
 under MirroredStrategy (its replica threads and merge_call traced). No
 module keeps mutable state at module level (state lives on the wrapper,
-its train ops' records, and graph collections). Under a strategy AutoGraph
+its train ops' records, and one registry per graph). Under a strategy AutoGraph
 converts the replica function, but none of the package's. (The private
 TensorFlow names: test_private_names.py.)
 """
@@ -175,3 +175,32 @@ def test_no_module_keeps_mutable_state():
                  for name, value in vars(module).items()
                  if not name.startswith('__') and isinstance(value, mutable))
   assert not found, found
+
+
+def test_the_package_keeps_one_registry_per_graph():
+  """Two train ops (dense and a table), the counters, once_per_update,
+  deferred_grad.applied_updates and the port check: the package's state in
+  the graph is one collection, holding one registry."""
+  graph = tf.Graph()
+  with graph.as_default():
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    opt = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.AdamOptimizer(0.1), 4,
+        nonfinite_policy='skip_micro_batch')
+    train_op = opt.minimize(_dense_loss(), global_step=global_step)
+    other = deferred_grad.GradientAggregationOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), 2)
+    other.minimize(_table_loss())
+    deferred_grad.applied_updates(global_step, 4)
+    opt.once_per_update(train_op, tf.no_op)
+    deferred_grad.PortCheckHook().begin()
+    # (A graph lists its string keys only: the package's earlier ones.)
+    earlier = ['counted_steps', 'applied_updates', 'warned_raw_global_step',
+               'train_ops', 'slot_owners', 'state', 'aliases', 'settings',
+               'plain_reads']
+    assert not [name for name in earlier
+                if graph.get_collection(('deferred_grad', name))]
+    registry = graph.get_collection(('deferred_grad', 'registry'))
+    assert len(registry) == 1, registry
+    assert len(registry[0].records) == 2
+    assert [r.wrappers for r in registry[0].records] == [[opt], [other]]
