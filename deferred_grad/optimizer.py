@@ -324,6 +324,7 @@ class GradientAggregationOptimizer(checkpoints.ObjectCheckpoints,
         grads_and_vars, global_step, name, replica_context, self._use_tpu,
         self._apply_crs_to_grad,
         self._accumulator_dtype if accumulates else None)
+    port_checks.check_clipped(present)  # a clip left in the script
     var_list = [v for _, v in present]
     strategy = tf.distribute.get_strategy()
     replicas = strategy.num_replicas_in_sync

@@ -17,6 +17,45 @@ from deferred_grad import registry
 tf = compat.import_tensorflow()
 
 
+# The name scopes of TensorFlow's clipping functions, and the ops a clipped
+# gradient may pass through on its way to the wrapper.
+_CLIPS = ('clip_by_global_norm', 'clip_by_norm')
+_PASSED_THROUGH = ('Identity', 'Cast')
+
+
+def check_clipped(grads_and_vars):
+  """Warns where a gradient handed to the wrapper was clipped already.
+
+  A script's `tf.clip_by_global_norm` (or `clip_by_norm`) before the wrapper
+  clips each micro-batch's gradient on its own, where the large batch
+  clipped their mean: the wrapper's `clip_norm=` clips the cycle's.
+
+  Args:
+    grads_and_vars: the (gradient, variable) pairs given to the wrapper.
+  """
+  if compat.replica_index():  # once per train op: its first replica
+    return
+  clipped = []
+  for gradient, variable in grads_and_vars:
+    op = getattr(gradient, 'values', gradient).op
+    for _ in range(4):  # through a cast or an identity or two
+      found = [part for part in op.name.split('/')
+               if part.startswith(_CLIPS)]
+      if found or op.type not in _PASSED_THROUGH or not op.inputs:
+        break
+      op = op.inputs[0].op
+    if found:
+      clipped.append((variable.op.name, op.name))
+  if clipped:
+    tf.compat.v1.logging.warning(
+        'GradientAggregationOptimizer: the gradients of %s come out of a clip '
+        '(%s): each micro-batch is clipped on its own, where the large batch '
+        'clipped their mean. Remove the clip from the script and pass its '
+        'norm to the wrapper, clip_norm=..., which clips the cycle\'s '
+        'gradient.', ', '.join(name for name, _ in clipped[:3]) + (
+            ', ...' if len(clipped) > 3 else ''), clipped[0][1])
+
+
 def check_schedule_reads(op, record, grad_steps, made):
   """Checks what the wrapped optimizer's update `op` reads as its step.
 

@@ -155,3 +155,54 @@ def test_in_a_monitored_training_session_at_its_step_limit():
       assert 'accumulated %d of its %d' % (left, K) in warned[0], warned
     else:
       assert not warned
+
+
+# ------------------------------------------------- a clip before the wrapper --
+
+def _clipped_build(clip, kind='global_norm'):
+  """Builds a train op on two variables; `clip`: 'script' clips before the
+  wrapper (the large batch's script unchanged), 'wrapper' passes clip_norm=
+  (the correct port), None clips nothing. Returns the logged warnings."""
+  with tf.Graph().as_default(), logged('come out of a clip') as warned:
+    w = tf.compat.v1.get_variable('w', [3])
+    table = tf.compat.v1.get_variable('table', [5, 2])
+    loss = tf.reduce_sum(w * w) + tf.reduce_sum(
+        tf.nn.embedding_lookup(table, [1, 3]))
+    opt = deferred_grad.GradientAggregationOptimizer(
+        SGD(0.1), K, clip_norm=1.0 if clip == 'wrapper' else None)
+    grads, variables = zip(*opt.compute_gradients(loss))
+    if clip == 'script' and kind == 'global_norm':
+      grads, _ = tf.clip_by_global_norm(grads, 1.0)
+    elif clip == 'script':
+      grads = [tf.clip_by_norm(g, 1.0) for g in grads]
+    opt.apply_gradients(zip(grads, variables))
+  return warned
+
+
+@pytest.mark.parametrize('kind', ['global_norm', 'norm'])
+def test_a_clip_before_the_wrapper_is_named(kind):
+  warned = _clipped_build('script', kind)
+  assert len(warned) == 1, warned
+  assert 'w, table' in warned[0] and 'clip_norm=' in warned[0], warned
+  assert 'clip_by_' in warned[0], warned
+
+
+@pytest.mark.parametrize('clip', ['wrapper', None])
+def test_the_wrapper_s_own_clip_or_none_is_silent(clip):
+  assert not _clipped_build(clip)
+
+
+def test_a_clip_before_the_wrapper_is_named_once_under_replicas():
+  with tf.Graph().as_default(), logged('come out of a clip') as warned:
+    strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
+    with strategy.scope():
+      w = tf.compat.v1.get_variable('w', [3])
+      opt = deferred_grad.GradientAggregationOptimizer(SGD(0.1), K)
+
+      def step():
+        grads, variables = zip(*opt.compute_gradients(tf.reduce_sum(w * w)))
+        grads, _ = tf.clip_by_global_norm(grads, 1.0)
+        return opt.apply_gradients(zip(grads, variables))
+
+      strategy.extended.call_for_each_replica(step)
+  assert len(warned) == 1, warned
