@@ -34,8 +34,12 @@ def pytest_configure(config):
 #   and run in one pass per version): each in one version;
 # * the two paths of the largest modules (tables, schedules): each path in
 #   both versions and both behaviours, not in every combination of the
-#   three (the other modules run every path in every run).
-# Estimator's run on 2.15 alone: there they run in every run they would.
+#   three;
+# * the slow modules (`_SLOW_MODULES`: partitioned tables, checkpoints
+#   switched, combinations, porting, savers and Estimators): each case in
+#   one run, in turn (one of 2.15's two runs where it needs tf.estimator).
+# The rest (the contract: equivalence, numerics, counting, checkpoints,
+# errors, concurrency, ...) runs every case in every run.
 # DEFERRED_GRAD_ALL_CONFIGURATIONS=1 (tools/soak sets it) runs every case in
 # every run.
 _VERSIONS, _BEHAVIORS = ('2.15', '2.16+'), ('v2', 'v1')
@@ -46,10 +50,25 @@ _TURNS = {
     'parameter-server cluster': _CROSSED,
     'example': [tuple((v, b) for b in _BEHAVIORS) for v in _VERSIONS],
     'path': _CROSSED,
+    'slow module': [((v, b),) for v in _VERSIONS for b in _BEHAVIORS],
+    'slow module on tf.estimator': [(('2.15', b),) for b in _BEHAVIORS],
 }
 _EXAMPLES = ('test_example_trains', 'test_bert_porting_example',
              'test_parameter_server_example', 'test_keras_example')
 _PATH_MODULES = ('test_sparse.py', 'test_schedules.py')
+_SLOW_MODULES = ('test_partitioned.py', 'test_switching.py',
+                 'test_combinations.py', 'test_replica_wrappers.py',
+                 'test_porting.py', 'test_port_check.py',
+                 'test_checkpoint_saver.py', 'test_checkpoints_kept.py',
+                 'test_ported_scripts.py', 'test_several_wrappers.py',
+                 'test_canned_estimators.py', 'test_estimator.py')
+
+
+def _needs_estimator(item):
+  """Whether `item` runs on TensorFlow 2.15 only (tf.estimator's last)."""
+  return 'estimator' in item.name or any(
+      'estimator' in str(marker.kwargs.get('reason', ''))
+      for marker in item.iter_markers('skipif'))
 
 
 def _turn(item, counters):
@@ -57,9 +76,14 @@ def _turn(item, counters):
 
   `counters` counts the cases of each kind so far (the same order in every
   run: collection's)."""
+  module = os.path.basename(str(item.fspath))
+  if module in _SLOW_MODULES:
+    kind = ('slow module on tf.estimator' if _needs_estimator(item) else
+            'slow module')
+    counters[kind] = counters.get(kind, -1) + 1
+    return kind, _TURNS[kind][counters[kind] % len(_TURNS[kind])]
   if 'estimator' in item.name:
     return None
-  module = os.path.basename(str(item.fspath))
   params = getattr(getattr(item, 'callspec', None), 'params', {})
   if module in _PATH_MODULES and 'use_tpu' in params:
     return 'path', _TURNS['path'][int(params['use_tpu'])]
