@@ -388,7 +388,8 @@ class GradientAggregationOptimizer(checkpoints.ObjectCheckpoints,
     local = build.local
     with tf.init_scope():
       record = records.of_train_op(
-          build, self._grad_steps, self._numerics, global_step,
+          build, [v for _, v in present], self._grad_steps, self._numerics,
+          global_step,
           counts_dtype, self._counts_updates,
           own_counter=self._use_tpu or global_step is None or (
               local is not None) or self._counts_updates)

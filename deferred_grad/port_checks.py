@@ -146,16 +146,22 @@ _WRITES = ('Assign', 'Scatter', 'ResourceScatter', 'Apply', 'ResourceApply',
 class PortCheckHook(tf.compat.v1.train.SessionRunHook):
   """Warns of the edits a port may still need that no train op can see.
 
-  The wrapper sees what its train op reads, not what a script builds after
+  The wrapper sees what its train op reads, not what a script builds around
   it nor where the script stops. Add this hook while porting; a correct
-  port logs nothing.
+  port that counts updates (`global_step_counts='updates'`) logs nothing.
 
-  * `begin` names each op ordered after a train op of the wrapper that
-    writes a variable on every micro-step: a moving average or projection
+  * `begin` names each op that writes a variable on every micro-step and is
+    ordered after a train op of the wrapper: a moving average or projection
     left after the train op (it belongs in `once_per_update`), or the
-    script's own `global_step` increment (remove it).
-  * `end` names a train op whose run stopped mid-cycle: micro-batches
-    accumulated and not applied.
+    script's own `global_step` increment (remove it). It also names a
+    moving average of the wrapped variables run with the train op some other
+    way: grouped beside it, or among its inputs (TF-Slim's `UPDATE_OPS`).
+    Batch norm's moving statistics stay per micro-step, and unnamed.
+  * `end` names a train op whose run stopped mid-cycle (micro-batches
+    accumulated and not applied), and, where `global_step` counts
+    micro-steps, what was trained: the updates applied in how many
+    micro-steps (a step limit in the large batch's steps shows as K times
+    fewer updates).
 
   ```python
   estimator.train(input_fn, max_steps=...,
@@ -168,17 +174,20 @@ class PortCheckHook(tf.compat.v1.train.SessionRunHook):
 
   def __init__(self):
     self._places = []
+    self._counted = []
 
   def begin(self):
-    """Warns of writes after a train op; builds the reads `end` runs."""
+    """Warns of writes run with a train op; builds the reads `end` runs."""
     graph = tf.compat.v1.get_default_graph()
     built = [record for record in registry.of(graph).records
              if record.op_names]
     # Of train ops built in this graph: one inside a function (XLA's) ends
     # in the function's graph, whose names mean nothing here.
-    ends = {name: record.op_names[0] for record in built
-            if record.position.in_cycle.graph is graph
+    here = [record for record in built
+            if record.position.in_cycle.graph is graph]
+    ends = {name: record.op_names[0] for record in here
             for name in record.op_names}
+    after, beside = _writes_with(graph, ends)
     # A global_step no train op counts is the script's to count (a canned
     # head increments it after its optimizers, as the original asks of a
     # wrapper given no global_step): not a miss.
@@ -187,7 +196,7 @@ class PortCheckHook(tf.compat.v1.train.SessionRunHook):
     for record in built:
       uncounted -= set(_component_names(record.global_step))
     found = collections.OrderedDict()
-    for op, train_op in _writes_after(graph, ends):
+    for op, train_op in after:
       if _written(op) not in uncounted:
         found.setdefault(train_op, []).append(op)
     for train_op, ops in found.items():
@@ -200,26 +209,42 @@ class PortCheckHook(tf.compat.v1.train.SessionRunHook):
           'global_step, remove it: the wrapper counts global_step.',
           len(ops), train_op, ', '.join(written[:5]) + (
               ', ...' if len(written) > 5 else ''), ops[0].name)
-    self._places = []
+    averages = collections.OrderedDict()
+    trained = {train_op: record.variable_names for record in here
+               for train_op in record.op_names[:1]}
+    for op, train_op in beside:
+      if (_is_moving_average(op) and
+          _written(op).rpartition('/')[0] in trained[train_op]):
+        averages.setdefault(train_op, []).append(_written(op))
+    for train_op, written in averages.items():
+      written = sorted(set(written))
+      tf.compat.v1.logging.warning(
+          'deferred_grad.PortCheckHook: a moving average of the variables '
+          'the train op %s trains runs with it on every micro-step, grouped '
+          'beside it or among its inputs (UPDATE_OPS): %s. The large batch '
+          'ran it once per step: build it in opt.once_per_update(train_op, '
+          'fn) instead.', train_op, ', '.join(written[:5]) + (
+              ', ...' if len(written) > 5 else ''))
+    self._places, self._counted = [], []
     with tf.compat.v1.name_scope('deferred_grad_port_check'):
       for record in built:
-        cycle = record.cycle
-        if isinstance(cycle, cycles.Schedule):
-          place = (cycle.in_cycle.read_value(), cycle.length.read_value())
-        elif cycle.step is not None:
-          place = (tf.math.floormod(tf.cast(cycle.step.read_value(),
-                                            tf.int64), cycle.grad_steps),
-                   tf.constant(cycle.grad_steps, tf.int64))
-        else:  # every micro-step is an update
+        place = _place(record.cycle)
+        if place is None:  # every micro-step is an update
           continue
         self._places.append((record.op_names[0], place))
+        if record.global_step is not None and not record.counts_updates:
+          self._counted.append((record.op_names[0], (
+              record.global_step.read_value(), _updates(record.cycle,
+                                                        record.global_step))))
 
   def end(self, session):
-    """Warns of each train op that stopped mid-cycle."""
+    """Warns of each train op that stopped mid-cycle; says what was trained
+    where `global_step` counts micro-steps."""
     if not self._places:
       return
-    values = session.run([place for _, place in self._places])
-    for (train_op, _), (in_cycle, length) in zip(self._places, values):
+    places, counted = session.run([[place for _, place in self._places],
+                                   [count for _, count in self._counted]])
+    for (train_op, _), (in_cycle, length) in zip(self._places, places):
       if in_cycle:
         tf.compat.v1.logging.warning(
             'deferred_grad.PortCheckHook: training stopped mid-cycle: the '
@@ -227,6 +252,41 @@ class PortCheckHook(tf.compat.v1.train.SessionRunHook):
             'none of them. A checkpoint saved now resumes them; to end on an '
             'update, stop at a cycle\'s end (a step limit of N * grad_steps, '
             'or global_step_counts=\'updates\').', train_op, in_cycle, length)
+    for (train_op, _), (micro_steps, updates) in zip(self._counted, counted):
+      # What was trained, not a miss: a line of its own kind.
+      tf.compat.v1.logging.warning(
+          'deferred_grad: trained %d updates in %d micro-steps (the train op '
+          '%s); global_step counts micro-steps (%d). A step limit or schedule '
+          'in the large batch\'s steps gives grad_steps times fewer updates '
+          'here: pass global_step_counts=\'updates\' to the wrapper (or '
+          'multiply the limits by grad_steps).',
+          updates, micro_steps, train_op, micro_steps)
+
+
+def _place(cycle):
+  """(place in the cycle, its length) read, or None without cycles."""
+  if isinstance(cycle, cycles.Schedule):
+    return cycle.in_cycle.read_value(), cycle.length.read_value()
+  if cycle.step is None:
+    return None
+  return (tf.math.floormod(tf.cast(cycle.step.read_value(), tf.int64),
+                           cycle.grad_steps),
+          tf.constant(cycle.grad_steps, tf.int64))
+
+
+def _updates(cycle, global_step):
+  """The updates applied, read, where `global_step` counts micro-steps."""
+  if isinstance(cycle, cycles.Schedule):
+    return cycle.updates.read_value()
+  return tf.math.floordiv(tf.cast(global_step.read_value(), tf.int64),
+                          cycle.grad_steps)
+
+
+def _is_moving_average(op):
+  """Whether the write `op` is an `assign_moving_average`'s (what
+  `ExponentialMovingAverage.apply` makes)."""
+  return any(part.startswith('AssignMovingAvg')
+             for part in op.name.split('/'))
 
 
 def _component_names(variable):
@@ -247,16 +307,25 @@ def _written(op):
   return source.name
 
 
-def _writes_after(graph, ends):
-  """Returns [(op, the train op)] for each op of `graph` that writes a
-  variable and runs after an op in `ends` ({name: its train op}), by data or
-  control, on every run: not in a v1 cond's branch or loop (fed by a Switch,
-  as `once_per_update`'s branch is; a v2 cond is one op).
+def _writes_with(graph, ends):
+  """Finds the writes that run whenever a train op runs.
+
+  Args:
+    graph: the graph.
+    ends: {the name of an op that ends a train op's run: its train op}.
+
+  Returns:
+    ([(op, train op)] of the ops that write a variable and run after an op
+    in `ends`, by data or control; [(op, train op)] of those that run in
+    the same run some other way: an input of the train op (TF-Slim's
+    UPDATE_OPS), or grouped beside it with what runs after it). Only ops on
+    every run: not in a v1 cond's branch or loop (fed by a Switch, as
+    `once_per_update`'s branch is; a v2 cond is one op).
   """
   after, gated = collections.defaultdict(list), set()
   switches = []
   for op in graph.get_operations():
-    for before in [t.op for t in op.inputs] + list(op.control_inputs):
+    for before in _inputs(op):
       after[before.name].append(op)
     if op.type in ('Switch', 'RefSwitch'):
       switches.append(op)
@@ -266,15 +335,32 @@ def _writes_after(graph, ends):
         if op.name not in gated and op.type not in ('Merge', 'RefMerge'):
           gated.add(op.name)
           switches.append(op)
-  found, seen = [], set(ends)
+  writes = lambda op: (op.type.startswith(_WRITES) and op.inputs and
+                       op.name not in gated)
+  later, seen = [], dict(ends)
   pending = list(ends.items())
-  while pending:
+  while pending:  # forward: what runs after the train op
     name, train_op = pending.pop()
     for op in after[name]:
       if op.name not in seen:
-        seen.add(op.name)
+        seen[op.name] = train_op
         pending.append((op.name, train_op))
-        if (op.type.startswith(_WRITES) and op.inputs and
-            op.name not in gated):
-          found.append((op, train_op))
-  return found
+        later.append((op, train_op))
+  by_name = {op.name: op for op in graph.get_operations()}
+  beside, known = [], set(seen)
+  pending = [(by_name[name], train_op) for name, train_op in seen.items()
+             if name in by_name]
+  while pending:  # backward: what those need, in the same run
+    op, train_op = pending.pop()
+    for before in _inputs(op):
+      if before.name not in known and before.name not in gated:
+        known.add(before.name)
+        pending.append((before, train_op))
+        beside.append((before, train_op))
+  return ([(op, t) for op, t in later if writes(op)],
+          [(op, t) for op, t in beside if writes(op)])
+
+
+def _inputs(op):
+  """The ops `op` waits for: its inputs' and its control inputs."""
+  return [t.op for t in op.inputs] + list(op.control_inputs)

@@ -31,6 +31,8 @@ class Record(object):
     settings: its `checkpoints.Settings`, or None.
     counts_updates: whether `global_step` counts updates, not micro-steps.
     state: [(variable, its value afresh or None)]: what a checkpoint holds.
+    variable_names: the op names of the variables it trains (each
+      component of a mirrored one), for `port_checks`.
 
   Attributes:
     position: the `cycles.Position` a run reads first; None until
@@ -44,8 +46,10 @@ class Record(object):
   """
 
   def __init__(self, cycle, global_step, counts, skipped, counts_dtype,
-               settings=None, counts_updates=False, state=()):
+               settings=None, counts_updates=False, state=(),
+               variable_names=()):
     self.cycle = cycle
+    self.variable_names = frozenset(variable_names)
     self.state = list(state)
     self.global_step = global_step
     self.counts_updates = counts_updates
@@ -335,14 +339,15 @@ def listed_as_train_op(train_op, before):
 
 # ------------------------------------------------------------- creation --
 
-def of_train_op(build, grad_steps, policy, global_step, counts_dtype,
-                counts_updates, own_counter):
+def of_train_op(build, variables, grad_steps, policy, global_step,
+                counts_dtype, counts_updates, own_counter):
   """Returns the record of the train op being built, shared by all replicas.
 
   The n-th train op each replica builds shares one. Call under init_scope.
 
   Args:
     build: where it is built (`distribute.Build`).
+    variables: the variables it trains.
     grad_steps: an int, or a schedule (a tensor or a callable).
     policy: the wrapper's `numerics.Numerics`.
     global_step: the global step the train op counts, or None.
@@ -360,14 +365,14 @@ def of_train_op(build, grad_steps, policy, global_step, counts_dtype,
   index = known.built.get(build.replica, 0)
   known.built[build.replica] = index + 1
   if index == len(known.records):
-    known.records.append(_create(known, build, grad_steps, policy,
-                                 global_step, counts_dtype, counts_updates,
-                                 own_counter))
+    known.records.append(_create(known, build, variables, grad_steps,
+                                 policy, global_step, counts_dtype,
+                                 counts_updates, own_counter))
   return known.records[index]
 
 
-def _create(known, build, grad_steps, policy, global_step, counts_dtype,
-            counts_updates, own_counter):
+def _create(known, build, variables, grad_steps, policy, global_step,
+            counts_dtype, counts_updates, own_counter):
   """Returns a new `Record` and makes its variables (see `of_train_op`); with
   grad_steps=1, only a policy's totals are variables.
   """
@@ -413,8 +418,11 @@ def _create(known, build, grad_steps, policy, global_step, counts_dtype,
            arguments.NONFINITE_POLICIES.index(policy.nonfinite_policy)],
           (cycle.counter, cycle.grad_steps or None), global_step)
       state += settings.state
+  strategy = tf.distribute.get_strategy()
+  names = [part.op.name for v in variables
+           for part in strategy.experimental_local_results(v)]
   return Record(cycle, global_step, counts, skipped, counts_dtype, settings,
-                counts_updates, state)
+                counts_updates, state, names)
 
 
 def _own_variable(name, dtype, local, counter=True):

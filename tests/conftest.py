@@ -39,7 +39,8 @@ def pytest_configure(config):
 #   switched, combinations, porting, savers and Estimators): each case in
 #   one run, in turn (one of 2.15's two runs where it needs tf.estimator).
 # The rest (the contract: equivalence, numerics, counting, checkpoints,
-# errors, concurrency, ...) runs every case in every run.
+# errors, concurrency, the port checks' warnings and their controls, ...)
+# runs every case in every run.
 # DEFERRED_GRAD_ALL_CONFIGURATIONS=1 (tools/soak sets it) runs every case in
 # every run.
 _VERSIONS, _BEHAVIORS = ('2.15', '2.16+'), ('v2', 'v1')
@@ -58,8 +59,7 @@ _EXAMPLES = ('test_example_trains', 'test_bert_porting_example',
 _PATH_MODULES = ('test_sparse.py', 'test_schedules.py')
 _SLOW_MODULES = ('test_partitioned.py', 'test_switching.py',
                  'test_combinations.py', 'test_replica_wrappers.py',
-                 'test_porting.py', 'test_port_check.py',
-                 'test_checkpoint_saver.py', 'test_checkpoints_kept.py',
+                 'test_porting.py', 'test_checkpoint_saver.py', 'test_checkpoints_kept.py',
                  'test_ported_scripts.py', 'test_several_wrappers.py',
                  'test_canned_estimators.py', 'test_estimator.py')
 

@@ -206,3 +206,79 @@ def test_a_clip_before_the_wrapper_is_named_once_under_replicas():
 
       strategy.extended.call_for_each_replica(step)
   assert len(warned) == 1, warned
+
+
+# ------------------------------------- a moving average beside the train op --
+
+def _averaged(where, behaviour_counts='micro_steps', micro_steps=K):
+  """Trains w with a moving average of it (or batch norm's moving mean)
+  placed `where`; returns the hook's warnings and every 'deferred_grad:'
+  line it logged."""
+  with tf.Graph().as_default(), logged('PortCheckHook') as warned, logged(
+      'deferred_grad: trained') as trained:
+    w = tf.compat.v1.get_variable('w', [3])
+    data = tf.constant([1.0, 2.0, 3.0])
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    opt = deferred_grad.GradientAggregationOptimizer(
+        SGD(0.1), K, global_step_counts=behaviour_counts)
+    ema = tf.compat.v1.train.ExponentialMovingAverage(0.9)
+    batch_mean = tf.reduce_mean(data * w)
+    if where == 'batch_norm':  # the moving statistic of a batch statistic
+      moving_mean = tf.compat.v1.get_variable(
+          'bn/moving_mean', [], initializer=tf.zeros_initializer(),
+          trainable=False)
+      tf.compat.v1.add_to_collection(
+          tf.compat.v1.GraphKeys.UPDATE_OPS,
+          tf.compat.v1.assign(moving_mean, 0.9 * moving_mean + 0.1 *
+                              batch_mean).op)
+    if where in ('update_ops', 'batch_norm'):  # TF-Slim's train op
+      if where == 'update_ops':
+        tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS,
+                                       ema.apply([w]))
+      update_ops = tf.compat.v1.get_collection(
+          tf.compat.v1.GraphKeys.UPDATE_OPS)
+      with tf.control_dependencies(update_ops):
+        loss = tf.identity(tf.reduce_sum(tf.square(data * w)))
+      grad_updates = opt.minimize(loss, global_step=global_step)
+      with tf.control_dependencies([grad_updates]):
+        train_op = tf.identity(loss)
+    else:
+      train_op = opt.minimize(tf.reduce_sum(tf.square(data * w)),
+                              global_step=global_step)
+      if where == 'grouped':
+        train_op = tf.group(train_op, ema.apply([w]))
+      elif where == 'once_per_update':
+        train_op = opt.once_per_update(train_op, lambda: ema.apply([w]))
+    hook = deferred_grad.PortCheckHook()
+    hook.begin()
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for _ in range(micro_steps):
+        session.run(train_op)
+      hook.end(session)
+  return warned, trained
+
+
+@pytest.mark.parametrize('where', ['grouped', 'update_ops'])
+def test_a_moving_average_run_with_the_train_op_is_named(where):
+  warned, _ = _averaged(where)
+  assert len(warned) == 1, warned
+  assert 'w/ExponentialMovingAverage' in warned[0], warned
+  assert 'once_per_update' in warned[0], warned
+
+
+@pytest.mark.parametrize('where', ['once_per_update', 'batch_norm', None])
+def test_a_moving_average_once_per_update_or_batch_norm_s_is_silent(where):
+  warned, _ = _averaged(where)
+  assert not warned, warned
+
+
+def test_what_was_trained_is_said_where_global_step_counts_micro_steps():
+  """A step limit in the large batch's steps, counted in micro-steps, stops
+  after K times fewer updates: the end says how many."""
+  _, trained = _averaged(None, micro_steps=4 * K)
+  assert len(trained) == 1, trained
+  assert 'trained 4 updates in %d micro-steps' % (4 * K) in trained[0]
+  assert "global_step_counts='updates'" in trained[0]
+  _, trained = _averaged(None, 'updates', micro_steps=4 * K)
+  assert not trained, trained
