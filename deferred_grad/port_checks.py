@@ -225,14 +225,12 @@ class PortCheckHook(tf.compat.v1.train.SessionRunHook):
           'ran it once per step: build it in opt.once_per_update(train_op, '
           'fn) instead.', train_op, ', '.join(written[:5]) + (
               ', ...' if len(written) > 5 else ''))
-    self._places, self._counted = [], []
+    self._places = cycle_counters(built)
+    self._counted = []
     with tf.compat.v1.name_scope('deferred_grad_port_check'):
       for record in built:
-        place = _place(record.cycle)
-        if place is None:  # every micro-step is an update
-          continue
-        self._places.append((record.op_names[0], place))
-        if record.global_step is not None and not record.counts_updates:
+        if (_cycle_counters(record.cycle) and
+            record.global_step is not None and not record.counts_updates):
           self._counted.append((record.op_names[0], (
               record.global_step.read_value(), _updates(record.cycle,
                                                         record.global_step))))
@@ -242,16 +240,10 @@ class PortCheckHook(tf.compat.v1.train.SessionRunHook):
     where `global_step` counts micro-steps."""
     if not self._places:
       return
-    places, counted = session.run([[place for _, place in self._places],
+    places, counted = session.run([[c for _, _, c in self._places],
                                    [count for _, count in self._counted]])
-    for (train_op, _), (in_cycle, length) in zip(self._places, places):
-      if in_cycle:
-        tf.compat.v1.logging.warning(
-            'deferred_grad.PortCheckHook: training stopped mid-cycle: the '
-            'train op %s accumulated %d of its %d micro-batches and applied '
-            'none of them. A checkpoint saved now resumes them; to end on an '
-            'update, stop at a cycle\'s end (a step limit of N * grad_steps, '
-            'or global_step_counts=\'updates\').', train_op, in_cycle, length)
+    for (train_op, cycle, _), values in zip(self._places, places):
+      warn_if_mid_cycle(train_op, cycle, values, _STOP_AT_A_CYCLE_S_END)
     for (train_op, _), (micro_steps, updates) in zip(self._counted, counted):
       # What was trained, not a miss: a line of its own kind.
       tf.compat.v1.logging.warning(
@@ -263,15 +255,45 @@ class PortCheckHook(tf.compat.v1.train.SessionRunHook):
           updates, micro_steps, train_op, micro_steps)
 
 
-def _place(cycle):
-  """(place in the cycle, its length) read, or None without cycles."""
+_STOP_AT_A_CYCLE_S_END = (
+    'to end on an update, stop at a cycle\'s end (a step limit of N * '
+    'grad_steps, or global_step_counts=\'updates\')')
+
+
+def cycle_counters(records):
+  """[(train op name, cycle, its counter variables)] of the records whose
+  cycles span several micro-steps, for `warn_if_mid_cycle`."""
+  return [(record.op_names[0], record.cycle, _cycle_counters(record.cycle))
+          for record in records
+          if record.op_names and _cycle_counters(record.cycle)]
+
+
+def warn_if_mid_cycle(train_op, cycle, values, fix):
+  """Warns if the counters' `values` place a train op mid-cycle.
+
+  Args:
+    train_op: the train op's name.
+    cycle: its `cycles.StepCycle` or `cycles.Schedule`.
+    values: its counters' values (`cycle_counters`), after the last run.
+    fix: what to do, for the message.
+  """
   if isinstance(cycle, cycles.Schedule):
-    return cycle.in_cycle.read_value(), cycle.length.read_value()
-  if cycle.step is None:
-    return None
-  return (tf.math.floormod(tf.cast(cycle.step.read_value(), tf.int64),
-                           cycle.grad_steps),
-          tf.constant(cycle.grad_steps, tf.int64))
+    in_cycle, length = int(values[0]), int(values[1])
+  else:
+    in_cycle, length = int(values[0]) % cycle.grad_steps, cycle.grad_steps
+  if in_cycle:
+    tf.compat.v1.logging.warning(
+        'deferred_grad.PortCheckHook: training stopped mid-cycle: the train '
+        'op %s accumulated %d of its %d micro-batches and applied none of '
+        'them. A checkpoint saved now resumes them; %s.', train_op, in_cycle,
+        length, fix)
+
+
+def _cycle_counters(cycle):
+  """The variables a cycle's place is read from (none without cycles)."""
+  if isinstance(cycle, cycles.Schedule):
+    return [cycle.in_cycle, cycle.length]
+  return [] if cycle.step is None else [cycle.step]
 
 
 def _updates(cycle, global_step):

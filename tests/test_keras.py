@@ -22,6 +22,7 @@ import tensorflow as tf
 import behavior  # pylint: disable=unused-import
 import deferred_grad
 import models
+import training
 
 keras = models.keras2()
 
@@ -203,3 +204,33 @@ def test_fit_with_an_embedding_layer_matches_the_large_batch(name):
                       make_model=_embedding_model)
   _assert_moved(before, expected)
   _assert_same_weights(actual, expected)
+
+
+# ------------------------------------------------ the end-of-fit port check --
+
+def _checked_fit(epochs, rows):
+  """Fits the wrapper at the micro-batch with the port-check callback;
+  returns its warnings."""
+  tf.compat.v1.reset_default_graph()
+  keras.backend.clear_session()
+  model = _mlp()
+  model.compile(optimizer=_wrapped(OPTIMIZERS['GradientDescent'])(),
+                loss='mse')
+  x, y = _data()
+  with training.logged('PortCheckHook') as warned:
+    model.fit(x[:rows], y[:rows], batch_size=MICRO_BATCH, epochs=epochs,
+              shuffle=False, verbose=0,
+              callbacks=[deferred_grad.port_check_callback()])
+  return warned
+
+
+def test_a_fit_ended_mid_cycle_is_named():
+  """3 epochs of 2 micro-steps: 6 micro-steps, 1 update and 2 of 4 left."""
+  warned = _checked_fit(epochs=3, rows=2 * MICRO_BATCH)
+  assert len(warned) == 1, warned
+  assert 'accumulated 2 of its 4 micro-batches' in warned[0], warned
+  assert 'epochs * steps_per_epoch' in warned[0], warned
+
+
+def test_a_fit_ended_on_an_update_is_silent():
+  assert not _checked_fit(epochs=2, rows=2 * MICRO_BATCH)
