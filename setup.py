@@ -4,7 +4,8 @@ TensorFlow is not a hard requirement: pick the build you want with an extra,
 `pip install ".[tf]"` (tensorflow) or `pip install ".[tf-cpu]"`
 (tensorflow-cpu), or install TensorFlow yourself first. Estimator and
 TPUEstimator users need TensorFlow 2.15, the last with `tf.estimator`:
-`pip install ".[estimator]"` (Python 3.9 to 3.11).
+`pip install ".[estimator]"` (Python 3.9 to 3.11; on a newer Python the
+install fails: no TensorFlow 2.15 wheel).
 """
 
 import setuptools
@@ -24,9 +25,11 @@ setuptools.setup(
         'tf': ['tensorflow>=2.15'],
         'tf-cpu': ['tensorflow-cpu>=2.15'],
         # tf.estimator (Estimator, TPUEstimator) ends with TensorFlow 2.15,
-        # which has wheels for Python 3.9 to 3.11 only.
-        'estimator': ['tensorflow-cpu==2.15.1; python_version < "3.12"',
-                      'tensorflow-estimator==2.15.0; python_version < "3.12"'],
+        # which has wheels for Python 3.9 to 3.11 only: on a newer Python
+        # the install fails (no matching distribution), rather than install
+        # no TensorFlow and fail at the first import.
+        'estimator': ['tensorflow-cpu==2.15.1',
+                      'tensorflow-estimator==2.15.0'],
         'test': ['pytest'],
         'plot': ['matplotlib'],
     },

@@ -87,8 +87,8 @@ def check_schedule_reads(op, record, grad_steps, made):
           'already: give the schedule global_step itself.' %
           (step.op.name, found))
     return
-  if step.name in known.warned:
-    return
+  if step.name in known.warned or grad_steps == 1:
+    return  # (with grad_steps=1, each micro-step is an update)
   allowed = set(divided)
   if tf.is_tensor(record.position.updates):
     allowed.add(record.position.updates.op.name)

@@ -329,7 +329,7 @@ def _warnings(build):
 
 
 def _schedule_on(kind, use_tpu, global_step_counts='micro_steps',
-                 optimizer=tf.compat.v1.train.AdamOptimizer):
+                 optimizer=tf.compat.v1.train.AdamOptimizer, grad_steps=K):
   def build():
     w = tf.compat.v1.get_variable('w', [2])
     global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -345,7 +345,7 @@ def _schedule_on(kind, use_tpu, global_step_counts='micro_steps',
     if kind != 'method':
       learning_rate = learning_rate()
     wrapper.append(deferred_grad.GradientAggregationOptimizer(
-        optimizer(learning_rate), K, use_tpu=use_tpu,
+        optimizer(learning_rate), grad_steps, use_tpu=use_tpu,
         global_step_counts=global_step_counts))
     wrapper[0].minimize(tf.reduce_sum(w * w), global_step=global_step)
   return build
@@ -376,6 +376,13 @@ def test_an_update_grouping_its_assignments_is_searched(use_tpu, kind):
 
 def test_a_raw_schedule_counting_updates_is_not_warned(use_tpu):
   assert not _warnings(_schedule_on('raw', use_tpu, 'updates'))
+
+
+def test_a_raw_schedule_with_grad_steps_1_is_not_warned(use_tpu):
+  """Each micro-step is an update: the raw global_step counts updates (the
+  README's large batch, `build(K * MICRO_BATCH, 1)`, was warned)."""
+  assert not _warnings(_schedule_on('raw', use_tpu, grad_steps=1))
+  assert _warnings(_schedule_on('raw', use_tpu, grad_steps=2))
 
 
 def test_applied_updates_counting_updates_is_refused_naming_it(use_tpu):

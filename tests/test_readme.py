@@ -43,27 +43,79 @@ def test_every_python_block_is_a_complete_script():
     assert 'import deferred_grad' in block, block
 
 
+# Appended to the complete script: trains its `build` as the port (K
+# micro-batches a cycle) and as the large batch (`build(K * MICRO_BATCH, 1)`,
+# the bare optimizer), and prints how far apart the weights, the moving
+# averages and global_step end.
+_AGAINST_THE_LARGE_BATCH = """
+
+def _trained(batch_size, grad_steps, runs):
+  with tf.Graph().as_default():
+    train_op, _, global_step, _ = build(batch_size, grad_steps)
+    variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for _ in range(runs):
+        session.run(train_op)
+      return session.run([variables['w'],
+                          variables['w/ExponentialMovingAverage'],
+                          global_step])
+
+
+port = _trained(MICRO_BATCH, GRAD_STEPS, GRAD_STEPS * UPDATES)
+large = _trained(GRAD_STEPS * MICRO_BATCH, 1, UPDATES)
+print('against the large batch: weights %g, moving average %g, global_step '
+      '%d and %d' % (np.abs(port[0] - large[0]).max() / np.abs(large[0]).max(),
+                     np.abs(port[1] - large[1]).max() / np.abs(large[1]).max(),
+                     port[2], large[2]))
+"""
+
+
+def _run(block):
+  result = subprocess.run([sys.executable, '-c', block],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True, timeout=300)
+  assert result.returncode == 0, result.stdout
+  return result.stdout
+
+
+def _against_the_large_batch(output):
+  match = re.search(r'against the large batch: weights (\S+), moving average '
+                    r'(\S+), global_step (\d+) and (\d+)', output)
+  assert match, output
+  return (float(match.group(1)), float(match.group(2)), int(match.group(3)),
+          int(match.group(4)))
+
+
 def test_the_complete_script_runs_and_prints_what_the_readme_says():
+  """It runs as written, prints what the README says, and its `build`
+  trains as the large batch does (weights, moving average, global_step)."""
   (block,) = _python_blocks()
   # It says "or disable_v2_behavior()": the v1 pass runs it that way.
   mode = 'tf.compat.v1.disable_eager_execution()   # or disable_v2_behavior()'
   assert mode in block
   if behavior.BEHAVIOR == 'v1':
     block = block.replace(mode, 'tf.compat.v1.disable_v2_behavior()')
-  result = subprocess.run([sys.executable, '-c', block],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          universal_newlines=True, timeout=300)
-  assert result.returncode == 0, result.stdout
-  scripts.assert_no_porting_warning(result.stdout)
-  match = re.search(r'global_step (\d+), (\d+) updates, loss ([\d.]+)',
-                    result.stdout)
-  assert match, result.stdout
-  # The README: "It prints `global_step 200, 50 updates` and a loss below
-  # 0.01."
-  assert 'It prints `global_step 200, 50 updates` and a loss below 0.01' in (
-      ' '.join(_readme().split()))
-  assert (int(match.group(1)), int(match.group(2))) == (200, 50), match.group(0)
+  output = _run(block + _AGAINST_THE_LARGE_BATCH)
+  scripts.assert_no_porting_warning(output)
+  match = re.search(r'global_step (\d+) after (\d+) micro-steps, loss '
+                    r'([\d.]+)', output)
+  assert match, output
+  assert ('It prints `global_step 50 after 200 micro-steps` and a loss below '
+          '0.01') in ' '.join(_readme().split())
+  assert (int(match.group(1)), int(match.group(2))) == (50, 200), (
+      match.group(0))
   assert float(match.group(3)) < 0.01, match.group(0)
+  weights, average, step, large_step = _against_the_large_batch(output)
+  assert weights < 1e-5 and average < 1e-5, output
+  assert step == large_step == 50, output
+  # The control: the same port counting micro-steps (the schedule and the
+  # moving average then run K times too fast) is told apart.
+  wrong = block.replace(", global_step_counts='updates'", '')
+  assert wrong != block
+  weights, average, step, large_step = _against_the_large_batch(
+      _run(wrong + _AGAINST_THE_LARGE_BATCH))
+  assert weights > 1e-3 and step == 4 * large_step, (weights, step)
 
 
 def test_every_relative_link_points_to_a_file():
