@@ -37,8 +37,12 @@ def test_demo_trains_like_the_large_batch():
     pytest.param('tpu_estimator_example.py', marks=_needs_estimator),
 ])
 def test_example_trains(example):
-  first, last = scripts.loss_decrease(run_tool('examples/' + example, *_SMALL))
+  output = run_tool('examples/' + example, *_SMALL)
+  first, last = scripts.loss_decrease(output)
   assert last < first
+  if example == 'estimator_example.py':  # global_step counts updates
+    assert 'global_step 3 ' in output and 'global_step 6 ' in output, output
+    scripts.assert_no_porting_warning(output)
 
 
 @run_once_per_version

@@ -1,17 +1,21 @@
-r"""A tf.compat.v1.estimator.Estimator model_fn with deferred_grad.
+r"""A tf.compat.v1.estimator.Estimator model_fn with deferred_grad: the
+recommended port.
 
-Only two lines of a model_fn change: wrap the optimizer, and feed schedules
-`applied_updates`. The input_fn yields micro-batches; `max_steps` counts
-micro-steps (global_step), so max_steps = updates * grad_steps. Re-running
-with the same --model_dir resumes, half-accumulated gradients included.
+One line of the model_fn changes: the optimizer is wrapped, with
+`global_step_counts='updates'`. `global_step` then counts updates, as the
+large batch counts its steps: the schedule on `global_step`, `max_steps`,
+`steps`, `save_checkpoints_steps` and `save_summary_steps` stay as they were.
+The input_fn yields micro-batches (the large batch divided by grad_steps).
+Each `train` call stops at a cycle's end. TensorFlow logs "global step ...
+has not been increased" now and then: `global_step` holds still within a
+cycle. (session_example.py keeps the original's counting, micro-steps.)
 The learning rate is written as a summary on apply steps only
 (`applies_update`). Needs TensorFlow 2.15, the last release with
 tf.estimator (`pip install ".[estimator]"`).
 
-`max_steps` and `steps` count micro-steps, and so do
-`save_checkpoints_steps`, `save_summary_steps` and `log_step_count_steps`;
-a new Estimator on the same model_dir resumes mid-cycle, ending with exactly
-the weights of an uninterrupted run (tested). Checkpoints: the Estimator's
+`log_step_count_steps` counts global_step too; a new Estimator on the same
+model_dir resumes mid-cycle, ending with exactly the weights of an
+uninterrupted run (tested). Checkpoints: the Estimator's
 own saver keeps what `RunConfig` says; switching accumulation on or off over
 a model_dir is `train(..., hooks=[deferred_grad.ConvertCheckpointHook(
 model_dir)])` (see monitored_session_example.py).
@@ -59,11 +63,11 @@ def model_fn(features, labels, mode, params):
   w = tf.compat.v1.get_variable('w', [8, 1], initializer=tf.zeros_initializer())
   loss = tf.reduce_mean(tf.square(tf.matmul(features, w) - labels))
   global_step = tf.compat.v1.train.get_global_step()
-  updates = deferred_grad.applied_updates(global_step, params['grad_steps'])
-  learning_rate = tf.compat.v1.train.exponential_decay(0.1, updates, 10, 0.5)
+  learning_rate = tf.compat.v1.train.exponential_decay(
+      0.1, global_step, 10, 0.5)  # as the large batch's: updates
   optimizer = deferred_grad.GradientAggregationOptimizer(     # <- wrap
       tf.compat.v1.train.MomentumOptimizer(learning_rate, 0.5),
-      grad_steps=params['grad_steps'])
+      grad_steps=params['grad_steps'], global_step_counts='updates')
   train_op = optimizer.minimize(loss, global_step=global_step)
   # A summary only when this micro-step applies the update.
   summary = tf.cond(
@@ -86,7 +90,8 @@ def main(argv):
       params={'grad_steps': FLAGS.grad_steps})
   losses = []
   for _ in range(2):  # train in two calls, as a job that stops and resumes
-    estimator.train(input_fn, steps=FLAGS.updates * FLAGS.grad_steps // 2)
+    estimator.train(input_fn, steps=FLAGS.updates // 2,  # updates
+                    hooks=[deferred_grad.PortCheckHook()])
     losses.append(estimator.evaluate(input_fn, steps=1)['loss'])
     print('global_step %d  loss %.5f' %
           (estimator.get_variable_value('global_step'), losses[-1]))
