@@ -15,6 +15,7 @@ from deferred_grad.checkpoints import Saver
 from deferred_grad.checkpoints import convert_checkpoint
 from deferred_grad.distribute import collective_barrier
 from deferred_grad.distribute import collective_run_options
+from deferred_grad.keras_fit import keras_optimizer
 from deferred_grad.keras_fit import port_check_callback
 from deferred_grad.optimizer import GradientAggregationOptimizer
 from deferred_grad.port_checks import PortCheckHook
@@ -26,5 +27,5 @@ __version__ = '0.1.0'
 __all__ = [
     'ConvertCheckpointHook', 'GradientAggregationOptimizer', 'PortCheckHook',
     'Saver', 'applied_updates', 'collective_barrier', 'collective_run_options',
-    'convert_checkpoint', 'port_check_callback'
+    'convert_checkpoint', 'keras_optimizer', 'port_check_callback'
 ]

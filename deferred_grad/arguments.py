@@ -124,7 +124,9 @@ def check_optimizer(opt):
     raise TypeError('opt is a SyncReplicasOptimizer. ' + _SYNC_REPLICAS)
   return _require(isinstance(opt, tf.compat.v1.train.Optimizer),
                   'opt must be a tf.compat.v1.train.Optimizer (e.g. '
-                  'tf.compat.v1.train.AdamOptimizer)', opt)
+                  'tf.compat.v1.train.AdamOptimizer; a Keras 2 legacy '
+                  'optimizer for model.fit goes to '
+                  'deferred_grad.keras_optimizer)', opt)
 
 
 def check_accumulator_dtype(dtype):

@@ -72,6 +72,7 @@ PRIVATE_NAMES = types.MappingProxyType({
     '_trackable_children': ('checkpoints', "override: the wrapped optimizer's children and the wrapper's counters"),
     '_lookup_dependency': ('checkpoints', 'override: finds them by name'),
     '_create_or_restore_slot_variable': ('checkpoints', "override: slots restore into the wrapped optimizer's"),
+    '_track_trackable': ('keras_fit', "the Keras optimizer's state in the Keras adapter's object-based checkpoints"),
     # Graph building.
     '_get_control_flow_context': ('compat', 'in_xla_context: no public test for an XLA computation (no mutex or Assert there)'),
     'IsXLAContext': ('compat', 'in_xla_context: the control flow context that is XLA'),

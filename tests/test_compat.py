@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import deferred_grad
 from deferred_grad import compat
+from deferred_grad import registry
 
 
 def test_multi_worker_mode_is_read_off_the_cluster_resolver():
@@ -43,8 +44,11 @@ def test_hooks_read_a_plain_global_step():
   with tf.Graph().as_default() as graph:
     step = tf.compat.v1.train.get_or_create_global_step()
     compat.plain_global_step_read(step)
-    reads = graph.get_collection(('deferred_grad', 'plain_reads'))
-    assert len(reads) == 1 and reads[0].op.type == 'Identity'
+    compat.plain_global_step_read(step)  # once: the same read
+    read = registry.of(graph).plain_read
+    assert read is not None and read.op.type == 'Identity'
+    assert [op for op in graph.get_operations()
+            if op.name.endswith('plain_read')] == [read.op]
 
 
 def test_object_based_checkpoints_see_the_wrapped_optimizer_s_state():

@@ -105,13 +105,21 @@ def test_parameter_server_example_trains():
 
 
 @run_once_per_version
-def test_keras_example_trains_and_counts_micro_steps_in_iterations():
+def test_keras_example_ports_fit_as_the_large_batch():
+  """Keras's Adam, LearningRateScheduler and ModelCheckpoint: the port
+  matches fit at the large batch without batch norm; with it (ghost batch
+  norm) it prints what it measured."""
   output = run_tool('examples/keras_fit_example.py', '--grad_steps=2',
                     '--epochs=3')
   first, last = scripts.loss_decrease(output)
   assert last < first
-  # An epoch is 16 updates of 2 micro-batches.
-  assert 'iterations (micro-steps): 96' in output, output
+  # An epoch is 8 updates; 'updates' counts them in iterations.
+  assert "iterations (updates): 24, the large batch's 24" in output, output
+  difference, = scripts.largest_differences(output)
+  assert difference < 1e-5, output
+  assert re.search(r'with batch norm .* weights [\d.e-]+ relative off',
+                   output), output
+  scripts.assert_no_porting_warning(output)
 
 
 @run_once_per_version

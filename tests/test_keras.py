@@ -234,3 +234,125 @@ def test_a_fit_ended_mid_cycle_is_named():
 
 def test_a_fit_ended_on_an_update_is_silent():
   assert not _checked_fit(epochs=2, rows=2 * MICRO_BATCH)
+
+
+# ------------------------------------- Keras's own optimizers and callbacks --
+
+KERAS_OPTIMIZERS = {
+    'SGD': lambda: keras.optimizers.legacy.SGD(0.1),
+    'momentum': lambda: keras.optimizers.legacy.SGD(0.05, momentum=0.9,
+                                                    nesterov=True),
+    'Adam': lambda: keras.optimizers.legacy.Adam(1e-2),
+    'RMSprop': lambda: keras.optimizers.legacy.RMSprop(1e-2),
+    'Adagrad': lambda: keras.optimizers.legacy.Adagrad(0.1),
+}
+
+
+def _halving(epoch, learning_rate):
+  del learning_rate
+  return 0.02 * 0.5 ** epoch
+
+
+def _keras_fit(make_optimizer, batch_size, callbacks, tmp_path=None):
+  """Fits the MLP for EPOCHS + 1 epochs; returns (weights, the learning
+  rate each epoch trained with, the optimizer's iterations)."""
+  rates = []
+  recorder = keras.callbacks.LambdaCallback(
+      on_epoch_end=lambda epoch, logs: rates.append(
+          float(keras.backend.get_value(model.optimizer.lr))))
+  tf.compat.v1.reset_default_graph()
+  keras.backend.clear_session()
+  model = _mlp()
+  model.compile(optimizer=make_optimizer(), loss='mse')
+  callbacks = [make() for make in callbacks] + [recorder]
+  if tmp_path is not None:  # each epoch, as the script did
+    callbacks.append(keras.callbacks.ModelCheckpoint(
+        str(tmp_path / 'weights-{epoch}.h5'), save_weights_only=True))
+  x, y = _data()
+  model.fit(x, y, batch_size=batch_size, epochs=EPOCHS + 1, shuffle=False,
+            verbose=0, callbacks=callbacks)
+  return (model.get_weights(), rates,
+          keras.backend.get_value(model.optimizer.iterations))
+
+
+@pytest.mark.parametrize('name', sorted(KERAS_OPTIMIZERS))
+def test_a_keras_optimizer_with_a_schedule_matches_the_large_batch(
+    name, tmp_path):
+  """The Keras 2 script: its own optimizer, LearningRateScheduler and
+  ModelCheckpoint; ported with keras_optimizer and 'updates', fit at the
+  micro-batch trains as fit at the large batch with the same optimizer."""
+  scheduler = lambda: keras.callbacks.LearningRateScheduler(_halving)
+  expected, rates, iterations = _keras_fit(
+      KERAS_OPTIMIZERS[name], GRAD_STEPS * MICRO_BATCH, [scheduler])
+  actual, port_rates, port_iterations = _keras_fit(
+      lambda: deferred_grad.keras_optimizer(
+          KERAS_OPTIMIZERS[name](), GRAD_STEPS,
+          global_step_counts='updates'),
+      MICRO_BATCH, [scheduler, deferred_grad.port_check_callback],
+      tmp_path)
+  _assert_same_weights(actual, expected)
+  assert port_rates == rates  # float32 values: exactly the same
+  np.testing.assert_allclose(rates, [0.02 * 0.5 ** e for e in range(EPOCHS + 1)],
+                             rtol=1e-6)
+  assert port_iterations == iterations == (EPOCHS + 1) * CYCLES_PER_EPOCH
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      'weights-%d.h5' % (e + 1) for e in range(EPOCHS + 1)]
+  # The control: the same optimizer unwrapped at the micro-batch.
+  wrong, _, _ = _keras_fit(KERAS_OPTIMIZERS[name], MICRO_BATCH, [scheduler])
+  assert max(np.abs(w - e).max() for w, e in zip(wrong, expected)) > 1e-3
+
+
+def test_reduce_lr_on_plateau_sets_the_rate_the_next_update_uses():
+  """min_delta so large that every epoch is a plateau: the rate halves at
+  each epoch's end, in the port as in the large batch (whose epoch losses
+  are the port's: a cycle's micro-batches see the same weights)."""
+  plateau = lambda: keras.callbacks.ReduceLROnPlateau(
+      monitor='loss', factor=0.5, patience=0, min_delta=1e3, min_lr=0.0)
+  expected, rates, _ = _keras_fit(KERAS_OPTIMIZERS['SGD'],
+                                  GRAD_STEPS * MICRO_BATCH, [plateau])
+  actual, port_rates, _ = _keras_fit(
+      lambda: deferred_grad.keras_optimizer(KERAS_OPTIMIZERS['SGD'](),
+                                            GRAD_STEPS),
+      MICRO_BATCH, [plateau])
+  np.testing.assert_allclose(port_rates, rates, rtol=1e-6)
+  # Halved after the second and third epochs: the test bites.
+  np.testing.assert_allclose(rates, [0.1, 0.05, 0.025], rtol=1e-6)
+  _assert_same_weights(actual, expected)
+
+
+def test_keras_optimizer_refuses_what_it_cannot_port():
+  with pytest.raises(TypeError, match='Keras 2 legacy optimizer'):
+    deferred_grad.keras_optimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), GRAD_STEPS)
+  with pytest.raises(ValueError, match='clipnorm=1.0.*clip_norm='):
+    deferred_grad.keras_optimizer(
+        keras.optimizers.legacy.SGD(0.1, clipnorm=1.0), GRAD_STEPS)
+
+
+def test_the_keras_optimizer_s_state_is_in_the_model_s_checkpoint(tmp_path):
+  """save_weights (TensorFlow format) holds the wrapped Keras optimizer's
+  slots and iterations; load_weights restores them into a new model."""
+  def trained(fit_first):
+    tf.compat.v1.reset_default_graph()
+    keras.backend.clear_session()
+    model = _mlp()
+    optimizer = deferred_grad.keras_optimizer(
+        keras.optimizers.legacy.Adam(1e-2), GRAD_STEPS,
+        global_step_counts='updates')
+    model.compile(optimizer=optimizer, loss='mse')
+    x, y = _data()
+    model.fit(x[:GRAD_STEPS * MICRO_BATCH * (2 if fit_first else 1)],
+              y[:GRAD_STEPS * MICRO_BATCH * (2 if fit_first else 1)],
+              batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
+    return model, optimizer
+
+  model, optimizer = trained(True)
+  saved = keras.backend.batch_get_value(optimizer.keras_optimizer.weights)
+  model.save_weights(str(tmp_path / 'ckpt'))
+  model, optimizer = trained(False)
+  assert keras.backend.get_value(optimizer.keras_optimizer.iterations) == 1
+  model.load_weights(str(tmp_path / 'ckpt'))
+  restored = keras.backend.batch_get_value(optimizer.keras_optimizer.weights)
+  assert int(restored[0]) == int(saved[0]) == 2  # Adam's iterations
+  for got, want in zip(restored, saved):
+    np.testing.assert_allclose(got, want, rtol=1e-6)

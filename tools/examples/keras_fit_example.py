@@ -1,38 +1,46 @@
-r"""Keras 2 `model.fit` in graph mode with deferred_grad.
+r"""Keras 2 `model.fit` in graph mode with deferred_grad: the whole port.
 
-Compile the model with the wrapper around a `tf.compat.v1.train` optimizer
-and give `model.fit` the micro-batch as `batch_size`: every `grad_steps`
-batches apply one update, as `model.fit` at `batch_size * grad_steps` with
-the bare optimizer would (tested for SGD, Momentum, Adam and RMSProp on both
-TensorFlow versions, `tests/test_keras.py`). Keras 2 is `tf.keras` on
-TensorFlow 2.15 and the `tf_keras` package, same version as TensorFlow, from
-2.16 on (`pip install tf_keras==<your TensorFlow version>`). Keras 3's own
-optimizers are refused by the wrapper; in eager mode use Keras 3's
-`gradient_accumulation_steps` instead.
+The script before: `model.fit(x, y, batch_size=256)` with
+`keras.optimizers.legacy.Adam(1e-2)`, a `LearningRateScheduler` halving the
+rate each epoch and a `ModelCheckpoint` each epoch. The port changes:
 
-What changes in a Keras script:
+1. `batch_size` is the micro-batch: `batch_size=256 // grad_steps`.
+2. The optimizer, Keras's own, is wrapped for `fit`:
+   `deferred_grad.keras_optimizer(keras.optimizers.legacy.Adam(1e-2),
+   grad_steps, global_step_counts='updates')`. It is `model.optimizer`:
+   `LearningRateScheduler` and `ReduceLROnPlateau` set its rate, which the
+   next update uses, and need no edit; with `'updates'`,
+   `model.optimizer.iterations` counts updates, as the large batch's does
+   (without it, micro-steps). Keras's optimizer counts its own steps
+   (Adam's bias correction) in updates either way. Its `clipnorm` is
+   refused: pass `clip_norm=` to `keras_optimizer`, which clips the
+   cycle's gradient.
+3. Batch norm normalizes each micro-batch by its own statistics (ghost
+   batch norm) and steps its moving averages once per micro-batch: give it
+   `momentum=m ** (1 / grad_steps)` so that they move as the large batch's.
+   The normalization itself stays per micro-batch: this example measures
+   what that costs (its last line).
+4. While porting, `callbacks=[deferred_grad.port_check_callback()]` names a
+   fit that ends mid-cycle (`epochs * steps_per_epoch` not a multiple of
+   `grad_steps`).
 
-- `batch_size` is the micro-batch; an epoch of N examples makes
-  N / batch_size micro-steps and N / (batch_size * grad_steps) updates. Let
-  an epoch hold whole cycles, or cycles run on across epochs (which is fine,
-  but an epoch's last update then mixes two epochs' batches).
-- Keras calls the wrapped optimizer with `global_step=model.optimizer.
-  iterations`, which therefore counts micro-steps (48 after 12 updates of 4).
-- Under a `tf.distribute` strategy (`MirroredStrategy`) `batch_size` is
-  global, as always in Keras: each replica takes `batch_size / replicas`
-  rows per micro-step. Keras then passes the graph's global step instead of
-  `iterations` (None unless the script made one), so `iterations` stays 0
-  for the bare optimizer as for the wrapper; the training matches the large
-  batch all the same (tested).
-- Batch normalization normalises each micro-batch by its own statistics and
-  updates its moving averages once per micro-batch (tested against numpy).
-- An Embedding layer's sparse gradients take the wrapper's table path
-  (tested with Adagrad and Adam against the large batch).
+A `tf.compat.v1.train` optimizer still works as before
+(`model.compile(optimizer=deferred_grad.GradientAggregationOptimizer(...))`),
+but Keras wraps it in its `TFOptimizer`, which has no learning rate for the
+callbacks. Under a `tf.distribute` strategy `batch_size` is global, as
+always in Keras. Keras 2 is `tf.keras` on TensorFlow 2.15 and the `tf_keras`
+package of the same version from 2.16 on. Keras 3 has its own
+`gradient_accumulation_steps` (eager mode).
 
-  python tools/examples/keras_fit_example.py --grad_steps=4 --epochs=5
+It trains the large batch and the port, without batch norm (they must match
+to round-off, tests/test_demo.py) and with it (ghost batch norm: the
+difference printed is what the port costs there).
+
+  python tools/examples/keras_fit_example.py --grad_steps=4 --epochs=3
 """
 
 import os
+import tempfile
 
 from absl import flags
 import numpy as np
@@ -43,42 +51,76 @@ import run_guide
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('grad_steps', 4, 'Micro-batches per update.')
-flags.DEFINE_integer('micro_batch', 32, 'Examples per micro-batch.')
-flags.DEFINE_integer('epochs', 5, 'Epochs of 16 updates each.')
+flags.DEFINE_integer('batch', 256, 'The large batch (the script\'s).')
+flags.DEFINE_integer('epochs', 3, 'Epochs of 8 updates each.')
+
+MOMENTUM = 0.9  # the script's batch norm momentum
 
 
-def keras_2():
-  """Keras 2: tf.keras on TensorFlow 2.15, the tf_keras package after."""
-  if tf.__version__.startswith('2.15.'):
-    return tf.keras
-  import tf_keras  # pylint: disable=g-import-not-at-top
-  return tf_keras
+def _model(keras, batch_norm, momentum):
+  layers = [keras.layers.Dense(16, activation='relu', input_shape=(8,),
+                               kernel_initializer=keras.initializers.
+                               RandomNormal(seed=1))]
+  if batch_norm:
+    layers.append(keras.layers.BatchNormalization(momentum=momentum))
+  layers.append(keras.layers.Dense(1, kernel_initializer=keras.initializers.
+                                   RandomNormal(seed=2)))
+  return keras.Sequential(layers)
+
+
+def _fit(keras, data, port, batch_norm):
+  """Fits the script (port=False) or its port; returns the weights, the
+  loss per epoch and what `iterations` counted."""
+  tf.compat.v1.reset_default_graph()
+  keras.backend.clear_session()
+  grad_steps = FLAGS.grad_steps if port else 1
+  model = _model(keras, batch_norm, MOMENTUM ** (1.0 / grad_steps))  # 3.
+  optimizer = keras.optimizers.legacy.Adam(1e-2)
+  callbacks = [
+      keras.callbacks.LearningRateScheduler(lambda epoch, lr: 1e-2 / 2**epoch),
+      keras.callbacks.ModelCheckpoint(
+          os.path.join(tempfile.mkdtemp(), 'weights-{epoch}.h5'),
+          save_weights_only=True)]
+  if port:
+    optimizer = deferred_grad.keras_optimizer(                  # 2.
+        optimizer, grad_steps, global_step_counts='updates')
+    callbacks.append(deferred_grad.port_check_callback())       # 4.
+  model.compile(optimizer=optimizer, loss='mse')
+  history = model.fit(data[0], data[1], batch_size=FLAGS.batch // grad_steps,
+                      epochs=FLAGS.epochs, shuffle=False, verbose=0,  # 1.
+                      callbacks=callbacks)
+  return (model.get_weights(), history.history['loss'],
+          keras.backend.get_value(model.optimizer.iterations))
+
+
+def _largest_difference(a, b):
+  return max(float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-12))
+             for x, y in zip(a, b))
 
 
 def main(argv):
   del argv
   tf.compat.v1.disable_eager_execution()
-  keras = keras_2()
+  keras = deferred_grad.keras_fit.keras2()
   rng = np.random.RandomState(0)
-  x = rng.randn(16 * FLAGS.grad_steps * FLAGS.micro_batch, 8).astype(
-      np.float32)
-  y = np.tanh(x.dot(rng.randn(8, 1))).astype(np.float32)
-
-  model = keras.Sequential([
-      keras.layers.Dense(16, activation='relu', input_shape=(8,)),
-      keras.layers.Dense(1),
-  ])
-  optimizer = deferred_grad.GradientAggregationOptimizer(
-      tf.compat.v1.train.AdamOptimizer(0.01), grad_steps=FLAGS.grad_steps)
-  model.compile(optimizer=optimizer, loss='mse')
-  history = model.fit(x, y, batch_size=FLAGS.micro_batch,
-                      epochs=FLAGS.epochs, shuffle=False, verbose=0)
-  losses = history.history['loss']
+  x = (rng.randn(8 * FLAGS.batch, 8) * 2 + 1).astype(np.float32)
+  data = (x, np.tanh(x.dot(rng.randn(8, 1))).astype(np.float32))
+  large, large_losses, large_iterations = _fit(keras, data, False, False)
+  port, losses, iterations = _fit(keras, data, True, False)
   for epoch, loss in enumerate(losses):
-    print('epoch %d  loss %.5f' % (epoch + 1, loss))
-  print('iterations (micro-steps): %d' %
-        keras.backend.get_value(model.optimizer.iterations))
+    print('epoch %d  loss %.5f (large batch %.5f)' % (
+        epoch + 1, loss, large_losses[epoch]))
+  print('iterations (updates): %d, the large batch\'s %d' % (
+      iterations, large_iterations))
   print('loss went from %.5f to %.5f' % (losses[0], losses[-1]))
+  print('without batch norm, largest weight difference from the large '
+        'batch: %.3g' % _largest_difference(port, large))
+  large, _, _ = _fit(keras, data, False, True)
+  port, _, _ = _fit(keras, data, True, True)
+  print('with batch norm (ghost, each micro-batch normalized by its own '
+        'statistics; momentum %.3f): weights %.3g relative off the large '
+        'batch' % (MOMENTUM ** (1.0 / FLAGS.grad_steps),
+                   _largest_difference(port, large)))
 
 
 if __name__ == '__main__':
