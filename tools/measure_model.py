@@ -174,7 +174,8 @@ def child(spec):
     parameters = sum(int(np.prod(v.shape.as_list())) * v.dtype.size
                      for v in tf.compat.v1.trainable_variables())
     # The wrapper's state: (variable, its value afresh) pairs.
-    state = [v for v, _ in graph.get_collection(('deferred_grad', 'state'))]
+    from deferred_grad import registry  # pylint: disable=g-import-not-at-top
+    state = [v for v, _ in registry.of(graph).state]
     init = [tf.compat.v1.global_variables_initializer(),
             tf.compat.v1.local_variables_initializer(),
             tf.compat.v1.tables_initializer()]
