@@ -32,12 +32,12 @@ def pytest_configure(config):
 #   case in both versions, in one behaviour each (the other in the other);
 # * the examples under tools/ (a process each; they set their own behaviour
 #   and run in one pass per version): each in one version;
-# * the two paths of the largest modules (tables, schedules): each path in
-#   both versions and both behaviours, not in every combination of the
-#   three;
-# * the slow modules (`_SLOW_MODULES`: partitioned tables, checkpoints
-#   switched, combinations, porting, savers and Estimators): each case in
-#   one run, in turn (one of 2.15's two runs where it needs tf.estimator).
+# * the two paths of the schedules: each path in both versions and both
+#   behaviours, not in every combination of the three;
+# * the slow modules (`_SLOW_MODULES`: tables, partitioned ones, checkpoints
+#   switched, combinations, porting, savers, costs and Estimators):
+#   each case in one run, in turn (one of 2.15's two runs where it needs
+#   tf.estimator).
 # The rest (the contract: equivalence, numerics, counting, checkpoints,
 # errors, concurrency, the port checks' warnings and their controls, ...)
 # runs every case in every run.
@@ -56,10 +56,11 @@ _TURNS = {
 }
 _EXAMPLES = ('test_example_trains', 'test_bert_porting_example',
              'test_parameter_server_example', 'test_keras_example')
-_PATH_MODULES = ('test_sparse.py', 'test_schedules.py')
+_PATH_MODULES = ('test_schedules.py',)
 _SLOW_MODULES = ('test_partitioned.py', 'test_switching.py',
                  'test_combinations.py', 'test_replica_wrappers.py',
-                 'test_porting.py', 'test_checkpoint_saver.py', 'test_checkpoints_kept.py',
+                 'test_porting.py', 'test_checkpoint_saver.py',
+                 'test_sparse.py', 'test_costs.py', 'test_checkpoints_kept.py',
                  'test_ported_scripts.py', 'test_several_wrappers.py',
                  'test_canned_estimators.py', 'test_estimator.py')
 
