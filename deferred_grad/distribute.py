@@ -150,7 +150,7 @@ class MidCycleRestart(object):
     """Returns an op that warns and marks the cycle if the session began in it.
 
     Args:
-      position: the micro-step's `records.Position`.
+      position: the micro-step's `cycles.Position`.
     """
     first = tf.equal(self._started.size(), 0)
     mid_cycle = tf.logical_and(first, tf.not_equal(position.in_cycle, 0))
