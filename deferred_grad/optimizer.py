@@ -2,15 +2,20 @@
 
 `apply_gradients` builds one micro-step, read top to bottom:
 
-1. check the arguments; make the train op's record and accumulators once
-   for all replicas (`records`, `accumulators`);
-2. take the run's lock and read the cycle's `Position` (`records`, `cycles`);
-3. on each replica: check, weigh (`numerics`), add (`accumulators`), count;
+1. check the arguments (`arguments`, a clip left in the script:
+   `port_checks`); make the train op's record once for all replicas
+   (`records`, which makes its `cycles` and `checkpoints.Settings`) and this
+   replica's accumulators (`accumulators`);
+2. take the run's lock and read the cycle's `Position` (`records`);
+3. on this replica: check and weigh (`numerics`), add (`accumulators`),
+   count (`records`);
 4. decide in a `tf.cond` on the cycle's end: the GPU path after a
-   `merge_call` into the cross-replica context, the TPU path in the replica;
-5. apply: sum the counts over replicas once (`distribute`), decide whether
-   the cycle applies (`numerics`), then on each replica apply its gradient
-   and reset;
+   `merge_call` into the cross-replica context (the wrapped optimizer's
+   slots made there, `checkpoints`), the TPU path in the replica;
+5. apply: sum the counts over replicas once where there are any
+   (`distribute`), decide whether the cycle applies (`numerics`), then on
+   each replica read, scale and clip (`numerics`), apply with the wrapped
+   optimizer and reset (`accumulators`);
 6. advance: count the micro-step, release the lock (`records`).
 
 The numerics keywords are one value (`numerics.Numerics`), made in the
@@ -37,12 +42,23 @@ _not_converted = tf.autograph.experimental.do_not_convert
 class ReplicaPart(object):
   """One replica's part of one train op: what its apply step needs.
 
-  Not a tuple: `merge_call` would take it apart. `shared_rows`: its
-  rows of tables whose list the replicas share, by index.
+  Not a tuple: `merge_call` would take it apart.
+
+  Args and attributes:
+    record: the train op's `records.Record`.
+    var_list: the variables it trains.
+    accumulators: this replica's `accumulators.Accumulators`.
+    increments: this micro-step's additions to the counts.
+    shared_rows: its rows of tables whose list the replicas share, by index.
   """
 
-  def __init__(self, **fields):
-    vars(self).update(fields)
+  def __init__(self, record, var_list, accumulators, increments,
+               shared_rows):
+    self.record = record
+    self.var_list = var_list
+    self.accumulators = accumulators
+    self.increments = increments
+    self.shared_rows = shared_rows
 
 
 class GradientAggregationOptimizer(checkpoints.ObjectCheckpoints,
@@ -334,7 +350,8 @@ class GradientAggregationOptimizer(checkpoints.ObjectCheckpoints,
     # Where the wrapped optimizer's non-slot variables go, found before the
     # name scope opens (`name` changes op names only); checkpoints restore
     # across settings (see `checkpoints`).
-    scopes = checkpoints.scopes(accumulates)
+    # (The apply step is in a cond unless each micro-step is its cycle.)
+    scopes = checkpoints.scopes(in_cond=accumulates)
     with tf.compat.v1.name_scope(name, self._scope_name) as scope:
       # Variables on parameter servers: the state is the worker's own.
       local = distribute.worker_local(var_list)
