@@ -344,7 +344,6 @@ class GradientAggregationOptimizer(checkpoints.ObjectCheckpoints,
     var_list = [v for _, v in present]
     strategy = tf.distribute.get_strategy()
     replicas = strategy.num_replicas_in_sync
-    counts_dtype = _counts_dtype(var_list, self._accumulator_dtype)
     in_xla = compat.in_xla_context()  # before init_scope, which leaves it
     multi_worker = replicas > 1 and compat.in_multi_worker_mode(strategy)
     # Where the wrapped optimizer's non-slot variables go, found before the
@@ -361,7 +360,7 @@ class GradientAggregationOptimizer(checkpoints.ObjectCheckpoints,
       # a cross-replica sum needs the same shape on every core: dense.
       sparse = not (self._sparse_as_dense or self._apply_crs_to_grad)
       record, accumulators = self._state_of_train_op(
-          build, present, global_step, counts_dtype, sparse, accumulates)
+          build, present, global_step, sparse, accumulates)
 
       # 2. The run's lock and the cycle's position, first: runs of this
       # train op from several threads take turns (not inside XLA, where no
@@ -398,16 +397,15 @@ class GradientAggregationOptimizer(checkpoints.ObjectCheckpoints,
         self._end_micro_step_across_replicas,
         args=(micro_step, part, scopes, scope, multi_worker)), train_ops)
 
-  def _state_of_train_op(self, build, present, global_step, counts_dtype,
-                         sparse, accumulates):
+  def _state_of_train_op(self, build, present, global_step, sparse,
+                         accumulates):
     """Step 1's state: the train op's record, made once for all replicas,
     and this replica's accumulators; returns both."""
     local = build.local
     with tf.init_scope():
       record = records.of_train_op(
           build, [v for _, v in present], self._grad_steps, self._numerics,
-          global_step,
-          counts_dtype, self._counts_updates,
+          global_step, self._accumulator_dtype, self._counts_updates,
           own_counter=self._use_tpu or global_step is None or (
               local is not None) or self._counts_updates)
       if accumulates:  # each train op its own (see `accumulators`)
@@ -599,10 +597,3 @@ def _summed_counts(distribution, part, names, length, over_tpu_cores,
   counts, replicas, checks = distribute.summed_counts(
       distribution, counts, over_tpu_cores, length if agree else None)
   return dict(zip(names, counts)), replicas, checks
-
-
-def _counts_dtype(variables, accumulator_dtype):
-  """The dtype of a train op's counts: its widest accumulator's, at least
-  float32, so that fractional weight sums keep the model's precision."""
-  dtypes = [accumulator_dtype or v.dtype.base_dtype for v in variables]
-  return max(dtypes + [tf.float32], key=lambda dtype: dtype.size)

@@ -340,7 +340,7 @@ def listed_as_train_op(train_op, before):
 # ------------------------------------------------------------- creation --
 
 def of_train_op(build, variables, grad_steps, policy, global_step,
-                counts_dtype, counts_updates, own_counter):
+                accumulator_dtype, counts_updates, own_counter):
   """Returns the record of the train op being built, shared by all replicas.
 
   The n-th train op each replica builds shares one. Call under init_scope.
@@ -351,7 +351,8 @@ def of_train_op(build, variables, grad_steps, policy, global_step,
     grad_steps: an int, or a schedule (a tensor or a callable).
     policy: the wrapper's `numerics.Numerics`.
     global_step: the global step the train op counts, or None.
-    counts_dtype: the dtype of the cycle's counts.
+    accumulator_dtype: the wrapper's keyword (the counts are at least as
+      wide as the widest accumulator).
     counts_updates: whether `global_step` counts updates.
     own_counter: whether an int cycle counts in `update_count`.
 
@@ -365,9 +366,10 @@ def of_train_op(build, variables, grad_steps, policy, global_step,
   index = known.built.get(build.replica, 0)
   known.built[build.replica] = index + 1
   if index == len(known.records):
-    known.records.append(_create(known, build, variables, grad_steps,
-                                 policy, global_step, counts_dtype,
-                                 counts_updates, own_counter))
+    known.records.append(_create(
+        known, build, variables, grad_steps, policy, global_step,
+        _counts_dtype(variables, accumulator_dtype), counts_updates,
+        own_counter))
   return known.records[index]
 
 
@@ -511,3 +513,10 @@ def applied_updates(global_step, grad_steps, name=None):
     updates = tf.math.floordiv(global_step, grad_steps)
     registry.of(updates.graph).updates_tensors.append(updates)
     return updates
+
+
+def _counts_dtype(variables, accumulator_dtype):
+  """The dtype of a train op's counts: its widest accumulator's, at least
+  float32, so that fractional weight sums keep the model's precision."""
+  dtypes = [accumulator_dtype or v.dtype.base_dtype for v in variables]
+  return max(dtypes + [tf.float32], key=lambda dtype: dtype.size)
