@@ -179,20 +179,15 @@ def keras_optimizer(optimizer, grad_steps, **kwargs):
       self._track_trackable(optimizer, name='optimizer')
 
     @property
-    def lr(self):
-      return self.keras_optimizer.lr
-
-    @lr.setter
-    def lr(self, value):
-      self.keras_optimizer.lr = value
-
-    @property
     def learning_rate(self):
+      """The Keras optimizer's learning rate (Keras's callbacks set it)."""
       return self.keras_optimizer.learning_rate
 
     @learning_rate.setter
     def learning_rate(self, value):
       self.keras_optimizer.learning_rate = value
+
+    lr = learning_rate  # Keras's other name for it
 
     def get_updates(self, loss, params):
       grads = self.keras_optimizer.get_gradients(loss, params)

@@ -207,24 +207,20 @@ class PortCheckHook(tf.compat.v1.train.SessionRunHook):
           'ran them once per step (a moving average, a projection), build '
           'them in opt.once_per_update(train_op, fn); if one increments '
           'global_step, remove it: the wrapper counts global_step.',
-          len(ops), train_op, ', '.join(written[:5]) + (
-              ', ...' if len(written) > 5 else ''), ops[0].name)
+          len(ops), train_op, _listed(written), ops[0].name)
     averages = collections.OrderedDict()
-    trained = {train_op: record.variable_names for record in here
-               for train_op in record.op_names[:1]}
+    trained = {record.op_names[0]: record.variable_names for record in here}
     for op, train_op in beside:
       if (_is_moving_average(op) and
           _written(op).rpartition('/')[0] in trained[train_op]):
         averages.setdefault(train_op, []).append(_written(op))
     for train_op, written in averages.items():
-      written = sorted(set(written))
       tf.compat.v1.logging.warning(
           'deferred_grad.PortCheckHook: a moving average of the variables '
           'the train op %s trains runs with it on every micro-step, grouped '
           'beside it or among its inputs (UPDATE_OPS): %s. The large batch '
           'ran it once per step: build it in opt.once_per_update(train_op, '
-          'fn) instead.', train_op, ', '.join(written[:5]) + (
-              ', ...' if len(written) > 5 else ''))
+          'fn) instead.', train_op, _listed(sorted(set(written))))
     self._places = cycle_counters(built)
     self._counted = []
     with tf.compat.v1.name_scope('deferred_grad_port_check'):
@@ -302,6 +298,11 @@ def _updates(cycle, global_step):
     return cycle.updates.read_value()
   return tf.math.floordiv(tf.cast(global_step.read_value(), tf.int64),
                           cycle.grad_steps)
+
+
+def _listed(names):
+  """The first five of `names`, joined for a message."""
+  return ', '.join(names[:5]) + (', ...' if len(names) > 5 else '')
 
 
 def _is_moving_average(op):
