@@ -28,14 +28,13 @@ def pytest_configure(config):
 # (TensorFlow 2.15 and 2.21, each in the v2 and the v1 behaviour), so that
 # their cases spread over every version and behaviour:
 # * worker processes (MultiWorkerMirroredStrategy): each case in one run;
-# * parameter-server clusters (worker threads, one training per case): each
-#   case in both versions, in one behaviour each (the other in the other);
 # * the examples under tools/ (a process each; they set their own behaviour
 #   and run in one pass per version): each in one version;
 # * the two paths of the schedules: each path in both versions and both
 #   behaviours, not in every combination of the three;
 # * the slow modules (`_SLOW_MODULES`: tables, partitioned ones, checkpoints
-#   switched, combinations, porting, savers, costs and Estimators):
+#   switched, combinations, porting, savers, costs, parameter-server
+#   clusters and Estimators):
 #   each case in one run, in turn (one of 2.15's two runs where it needs
 #   tf.estimator).
 # The rest (the contract: equivalence, numerics, counting, checkpoints,
@@ -48,7 +47,6 @@ _CROSSED = [(('2.15', 'v2'), ('2.16+', 'v1')), (('2.15', 'v1'), ('2.16+', 'v2'))
 # The runs a case of each kind takes turns over.
 _TURNS = {
     'worker processes': [((v, b),) for v in _VERSIONS for b in _BEHAVIORS],
-    'parameter-server cluster': _CROSSED,
     'example': [tuple((v, b) for b in _BEHAVIORS) for v in _VERSIONS],
     'path': _CROSSED,
     'slow module': [((v, b),) for v in _VERSIONS for b in _BEHAVIORS],
@@ -62,6 +60,7 @@ _SLOW_MODULES = ('test_partitioned.py', 'test_switching.py',
                  'test_porting.py', 'test_checkpoint_saver.py',
                  'test_sparse.py', 'test_costs.py', 'test_checkpoints_kept.py',
                  'test_ported_scripts.py', 'test_several_wrappers.py',
+                 'test_parameter_servers.py',
                  'test_canned_estimators.py', 'test_estimator.py')
 
 
@@ -91,9 +90,6 @@ def _turn(item, counters):
   kind = None
   if module == 'test_multi_worker.py':
     kind = 'worker processes'
-  elif module == 'test_parameter_servers.py' and 'cluster' in getattr(
-      item, 'fixturenames', ()):
-    kind = 'parameter-server cluster'
   elif module == 'test_demo.py' and item.name.startswith(_EXAMPLES):
     kind = 'example'
   if kind is None:
